@@ -1,0 +1,1 @@
+"""Kernel benchmarks against peers (GPU) and end-to-end serving benchmarks."""

@@ -1,0 +1,1 @@
+"""Everything that runs inside a vLLM process: the entry point, backend, sampler hook, telemetry."""
