@@ -1,0 +1,694 @@
+"""kernels/kv_cache.py: the Triton kernels against their torch references.
+
+Runs under Triton's interpreter on the CPU. Every cache is poisoned (NaN; for fp8 the NaN byte
+0x7F) before each call and compared whole and bitwise with the reference's, so a slot written
+where it should not be, or not written where it should, fails. Inputs are fresh seeded random
+tensors in the layouts vLLM passes: key/value views of a fused QKV output, K/V caches that are
+strided views of one tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuselane.kernels import kv_cache as kvc
+from fuselane.kernels._checks import FP8_E4M3, FP8_E4M3_MAX
+from fuselane.kernels.kv_cache import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_HEAD_SIZES,
+    kv_cache_update,
+    kv_cache_update_reference,
+    quantize_e4m3_reference,
+    rope_kv_cache_update,
+    rope_kv_cache_update_reference,
+    rotary_reference,
+)
+from tests.allclose import TOLERANCES, assert_close
+
+FP8_NAN_BYTE = 0x7F
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (dtype, atol, rtol) for rotated q/k. The copy itself is compared bit for bit. Triton's
+# interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even), so bf16 outputs
+# differ from the reference by up to one bf16 ulp here; fp16 and fp32 match exactly.
+ROTARY_TOLERANCES = [(dt, *TOLERANCES[dt]) for dt in DTYPES]
+CACHE_LAYOUTS = ("nhd", "hnd", "heads_outer", "layers", "separate")
+INPUT_LAYOUTS = ("qkv", "padded_heads", "contiguous")
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------
+
+
+def cache_views(
+    base: torch.Tensor, layout: str, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache), each [num_blocks, block_size, Hkv, D], as views of `base`."""
+    if layout == "nhd":  # vLLM's default (LBNHC): [B, N, H, 2D], K and V interleave per head
+        kv = base
+    elif layout == "hnd":  # LBHNC: physical [B, H, N, 2D]
+        kv = base.transpose(1, 2)
+    elif layout == "heads_outer":  # LHBNC: physical [H, B, N, 2D], huge head stride
+        kv = base.permute(1, 2, 0, 3)
+    elif layout == "layers":  # BLNHC: two layers' pages interleave; this is layer 1
+        kv = base[:, 1]
+    elif layout == "separate":  # two plain contiguous tensors
+        return base[0], base[1]
+    else:
+        raise AssertionError(layout)
+    key_cache, value_cache = kv.split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def make_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype, layout: str
+) -> torch.Tensor:
+    """The poisoned base tensor behind `cache_views(base, layout, head_size)`."""
+    shape = {
+        "nhd": (num_blocks, block_size, num_kv_heads, 2 * head_size),
+        "hnd": (num_blocks, num_kv_heads, block_size, 2 * head_size),
+        "heads_outer": (num_kv_heads, num_blocks, block_size, 2 * head_size),
+        "layers": (num_blocks, 2, block_size, num_kv_heads, 2 * head_size),
+        "separate": (2, num_blocks, block_size, num_kv_heads, head_size),
+    }[layout]
+    base = torch.empty(shape, dtype=dtype)
+    poison(base)
+    return base
+
+
+def poison(base: torch.Tensor) -> None:
+    if base.dtype == FP8_E4M3:
+        base.view(torch.uint8).fill_(FP8_NAN_BYTE)
+    else:
+        base.fill_(float("nan"))
+
+
+def make_inputs(
+    gen: torch.Generator, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size: int,
+    dtype, layout: str, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(query, key, value) with vLLM's shapes [T, H, D] in one of the input layouts."""
+    q_size, kv_size = num_q_heads * head_size, num_kv_heads * head_size
+    if layout == "qkv":  # views of a fused QKV projection output: row stride (Hq + 2 Hkv) D
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen) * scale
+        q, k, v = qkv.to(dtype).split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            q.view(num_tokens, num_q_heads, head_size),
+            k.view(num_tokens, num_kv_heads, head_size),
+            v.view(num_tokens, num_kv_heads, head_size),
+        )
+    if layout == "padded_heads":  # head stride D + 16, token stride larger still
+
+        def one(h):
+            t = torch.randn(num_tokens, h + 1, head_size + 16, generator=gen) * scale
+            return t.to(dtype)[:, :h, :head_size]
+
+        return one(num_q_heads), one(num_kv_heads), one(num_kv_heads)
+    if layout == "contiguous":
+
+        def one(h):
+            return (torch.randn(num_tokens, h, head_size, generator=gen) * scale).to(dtype)
+
+        return one(num_q_heads), one(num_kv_heads), one(num_kv_heads)
+    raise AssertionError(layout)
+
+
+def make_slots(
+    gen: torch.Generator, num_rows: int, total_slots: int, block_size: int, *,
+    pad_every: int = 0, dtype=torch.int64,
+) -> torch.Tensor:  # fmt: skip
+    """num_rows distinct slots in random blocks (including the first and last slot of a block
+    when there is room), every `pad_every`-th one replaced by -1 (padding)."""
+    slots = torch.randperm(total_slots, generator=gen)[:num_rows]
+    if num_rows >= 4:
+        block = int(slots[0]) // block_size
+        first, last = block * block_size, block * block_size + block_size - 1
+        slots = slots[(slots != first) & (slots != last)][: num_rows - 2]
+        slots = torch.cat([torch.tensor([first, last]), slots])[
+            torch.randperm(num_rows, generator=gen)
+        ]
+    if pad_every:
+        slots[2::pad_every] = -1
+    return slots.to(dtype)
+
+
+def scale_tensor(value: float, zero_dim: bool = False) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32) if zero_dim else torch.tensor([value])
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Whole-tensor bit comparison (NaN poison included), listing the first mismatches."""
+    a = actual.view(torch.uint8) if actual.dtype == FP8_E4M3 else actual
+    e = expected.view(torch.uint8) if expected.dtype == FP8_E4M3 else expected
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    bad = a.view(width) != e.view(width)
+    if bad.any():
+        idx = bad.nonzero()[:8]
+        lines = [
+            f"  at {tuple(i.tolist())}: got {actual[tuple(i)].float().item():.6g}, "
+            f"want {expected[tuple(i)].float().item():.6g}"
+            for i in idx
+        ]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements differ bitwise:\n"
+            + "\n".join(lines)
+        )
+
+
+def written_elements(base: torch.Tensor) -> int:
+    """Elements no longer holding the poison."""
+    if base.dtype == FP8_E4M3:
+        return int((base.view(torch.uint8) != FP8_NAN_BYTE).sum())
+    return int((~torch.isnan(base)).sum())
+
+
+def run_write_case(
+    key, value, base, layout, head_size, slots, k_scale=None, v_scale=None
+) -> torch.Tensor:
+    """Kernel and reference on copies of the poisoned `base`; compare the whole cache."""
+    expected = base.clone()
+    kv_cache_update_reference(
+        key, value, *cache_views(expected, layout, head_size), slots, k_scale, v_scale
+    )
+    kv_cache_update(key, value, *cache_views(base, layout, head_size), slots, k_scale, v_scale)
+    assert_bitwise_equal(base, expected, f"cache ({layout})")
+    num_valid = int((slots >= 0).sum())
+    assert written_elements(base) == 2 * num_valid * key.shape[1] * head_size
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain write
+# ----------------------------------------------------------------------------------------------
+
+
+# 20 cases: every (head size, dtype) pair once, block size, Hkv, layouts, slot dtype and the
+# number of rows cycling underneath, so each of those values meets several head sizes.
+WRITE_CASES = [
+    dict(
+        head_size=SUPPORTED_HEAD_SIZES[j % 5],
+        dtype=(*DTYPES, FP8_E4M3)[j // 5],
+        block_size=SUPPORTED_BLOCK_SIZES[j % 3],
+        num_kv_heads=(1, 3, 8)[(j // 3) % 3],
+        cache_layout=CACHE_LAYOUTS[(j + j // 5) % 5],
+        input_layout=INPUT_LAYOUTS[j % 3],
+        slot_dtype=(torch.int64, torch.int32)[j % 2],
+        num_tokens=(1, 7, 23, 40)[j % 4],
+        seed=j,
+    )
+    for j in range(20)
+]
+
+
+@pytest.mark.parametrize(
+    "case", WRITE_CASES, ids=lambda c: "-".join(str(v).removeprefix("torch.") for v in c.values())
+)
+def test_write_matches_reference(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    fp8 = case["dtype"] == FP8_E4M3
+    in_dtype = (
+        (torch.bfloat16, torch.float16, torch.float32)[case["seed"] % 3] if fp8 else case["dtype"]
+    )
+    T, H, D, bs = case["num_tokens"], case["num_kv_heads"], case["head_size"], case["block_size"]
+    _, key, value = make_inputs(gen, T, 1, H, D, in_dtype, case["input_layout"], scale=3.0)
+    num_blocks = T // bs + 3
+    base = make_cache(num_blocks, bs, H, D, case["dtype"], case["cache_layout"])
+    # A slot mapping shorter than key when T > 1 (vLLM V1 pads key, not slot_mapping).
+    num_rows = T - (T > 1) * (case["seed"] % 3)
+    slots = make_slots(gen, num_rows, num_blocks * bs, bs, pad_every=5, dtype=case["slot_dtype"])
+    scales = (scale_tensor(0.02, zero_dim=case["seed"] % 2 == 0), scale_tensor(0.5)) if fp8 else ()
+    run_write_case(key, value, base, case["cache_layout"], D, slots, *scales)
+
+
+def test_first_and_last_slot_of_every_block():
+    gen = torch.Generator().manual_seed(100)
+    num_blocks, bs, H, D = 3, 16, 2, 64
+    slots = torch.tensor([b * bs + o for b in range(num_blocks) for o in (0, bs - 1)])
+    _, key, value = make_inputs(gen, len(slots), 1, H, D, torch.bfloat16, "qkv")
+    base = make_cache(num_blocks, bs, H, D, torch.bfloat16, "nhd")
+    run_write_case(key, value, base, "nhd", D, slots)
+    key_cache, _ = cache_views(base, "nhd", D)
+    assert torch.equal(key_cache[num_blocks - 1, bs - 1], key[-1])  # the cache's very last slot
+
+
+def test_one_token():
+    gen = torch.Generator().manual_seed(101)
+    _, key, value = make_inputs(gen, 1, 1, 8, 128, torch.bfloat16, "qkv")
+    base = make_cache(4, 16, 8, 128, torch.bfloat16, "nhd")
+    run_write_case(key, value, base, "nhd", 128, torch.tensor([37], dtype=torch.int32))
+    key_cache, value_cache = cache_views(base, "nhd", 128)
+    assert torch.equal(key_cache[2, 5], key[0]) and torch.equal(value_cache[2, 5], value[0])
+
+
+@pytest.mark.parametrize("num_tokens", [0, 5])
+def test_zero_rows_writes_nothing(num_tokens):
+    gen = torch.Generator().manual_seed(102)
+    _, key, value = make_inputs(gen, num_tokens, 1, 2, 64, torch.float16, "qkv")
+    base = make_cache(2, 16, 2, 64, torch.float16, "nhd")
+    kv_cache_update(key, value, *cache_views(base, "nhd", 64), torch.empty(0, dtype=torch.int64))
+    assert written_elements(base) == 0
+
+
+def test_all_padding_writes_nothing():
+    gen = torch.Generator().manual_seed(103)
+    _, key, value = make_inputs(gen, 9, 1, 3, 96, torch.bfloat16, "qkv")
+    base = make_cache(2, 16, 3, 96, torch.bfloat16, "hnd")
+    slots = torch.full((9,), -1, dtype=torch.int64)
+    slots[4] = -7  # any negative value is padding
+    kv_cache_update(key, value, *cache_views(base, "hnd", 96), slots)
+    assert written_elements(base) == 0
+
+
+def test_rows_past_slot_mapping_are_ignored():
+    gen = torch.Generator().manual_seed(104)
+    _, key, value = make_inputs(gen, 12, 1, 2, 64, torch.float32, "qkv")
+    base = make_cache(2, 16, 2, 64, torch.float32, "nhd")
+    slots = torch.arange(4)  # rows 4..11 of key have no slot
+    run_write_case(key, value, base, "nhd", 64, slots)
+    assert written_elements(base) == 2 * 4 * 2 * 64
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_key_and_value_with_different_strides(rope):
+    """K and V (inputs and caches) are addressed with their own strides."""
+    gen = torch.Generator().manual_seed(106)
+    T, Hq, H, D, bs, dtype = 11, 4, 3, 64, 16, torch.float16
+    query, key, _ = make_inputs(gen, T, Hq, H, D, dtype, "qkv")
+    value = torch.randn(T, H, D, generator=gen).to(dtype)  # contiguous, unlike key
+    k_base = make_cache(2, bs, H, D, dtype, "nhd")
+    v_base = make_cache(2, bs, H, D, dtype, "hnd")
+    key_cache = cache_views(k_base, "nhd", D)[0]
+    value_cache = cache_views(v_base, "hnd", D)[1]
+    slots = make_slots(gen, T, 2 * bs, bs, pad_every=4)
+    if rope:
+        cs = torch.randn(32, D, generator=gen)
+        positions = torch.randint(0, 32, (T,), generator=gen)
+        rope_kv_cache_update(positions, query, key, value, cs, False, key_cache, value_cache, slots)
+    else:
+        kv_cache_update(key, value, key_cache, value_cache, slots)
+    k_want, v_want = k_base.clone(), v_base.clone()
+    poison(k_want)
+    poison(v_want)
+    kv_cache_update_reference(
+        key, value, cache_views(k_want, "nhd", D)[0], cache_views(v_want, "hnd", D)[1], slots
+    )
+    assert_bitwise_equal(k_base, k_want, "key cache")
+    assert_bitwise_equal(v_base, v_want, "value cache")
+
+
+@pytest.mark.parametrize(("rows_per_program", "num_kv_heads"), [(2, 3), (4, 8), (8, 1), (16, 40)])
+def test_several_rows_per_program(rows_per_program, num_kv_heads):
+    """The large-N launch shapes (several tokens per program, several tiles per token when
+    Hkv * D exceeds the tile), forced on a small N that leaves a partial last program."""
+    gen = torch.Generator().manual_seed(105 + rows_per_program)
+    T, D, bs = 37, (80, 128, 64, 256)[rows_per_program.bit_length() - 2], 16
+    _, key, value = make_inputs(gen, T, 1, num_kv_heads, D, torch.bfloat16, "qkv")
+    num_blocks = T // bs + 2
+    base = make_cache(num_blocks, bs, num_kv_heads, D, torch.bfloat16, "nhd")
+    slots = make_slots(gen, T, num_blocks * bs, bs, pad_every=6)
+    expected = base.clone()
+    kv_cache_update_reference(key, value, *cache_views(expected, "nhd", D), slots)
+    kvc._launch_write(
+        key, value, *cache_views(base, "nhd", D), slots, None, None, False,
+        rows_per_program=rows_per_program,
+    )  # fmt: skip
+    assert_bitwise_equal(base, expected, "cache")
+
+
+def test_launch_rule():
+    """Tokens per program never shrink as N grows; a program's tile stays within the bound."""
+    previous = 0
+    for n in (1, 16, 256, 512, 513, 4096, 32768, 1 << 20):
+        rows, tile, warps = kvc._write_launch_config(n, 8 * 128)
+        assert rows >= previous and rows * tile <= kvc._WRITE_MAX_TILE_ELEMS and warps in (4, 8)
+        previous = rows
+    assert kvc._write_launch_config(1, 8 * 128) == (1, 1024, 4)  # one program for one token
+    rows, tile, _ = kvc._write_launch_config(1, 64 * 256)
+    assert rows == 1 and tile == kvc._WRITE_MAX_TILE_ELEMS  # 16384 elements -> two tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8
+# ----------------------------------------------------------------------------------------------
+
+# e4m3: 3 mantissa bits, so rounding to nearest is within 2^-4 of |y|; below 2^-6 the grid is
+# the subnormal spacing 2^-9, half of which is the absolute bound.
+E4M3_REL_BOUND = 2.0**-4
+E4M3_ABS_BOUND = 2.0**-10
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_round_trip_within_e4m3_bound(dtype):
+    gen = torch.Generator().manual_seed(200)
+    T, H, D, bs = 16, 2, 128, 16
+    # magnitudes from 1e-5 to 1e3 of the scale: subnormals, normals and saturation
+    mag = torch.logspace(-5, 3, T * H * D)[torch.randperm(T * H * D, generator=gen)]
+    sign = torch.randint(0, 2, (T * H * D,), generator=gen) * 2 - 1
+    k_scale, v_scale = 0.03, 1.7
+    key = (mag * sign * k_scale).to(dtype).view(T, H, D)
+    value = (mag.flip(0) * v_scale).to(dtype).view(T, H, D)
+    base = make_cache(2, bs, H, D, FP8_E4M3, "nhd")
+    slots = torch.randperm(2 * bs, generator=gen)[:T]
+    run_write_case(key, value, base, "nhd", D, slots, scale_tensor(k_scale), scale_tensor(v_scale))
+    key_cache, value_cache = cache_views(base, "nhd", D)
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        stored = cache[slots // bs, slots % bs].float()
+        y = x.float() / torch.tensor(scale)
+        inside = y.abs() <= FP8_E4M3_MAX
+        err = (stored - y).abs()
+        bound = E4M3_REL_BOUND * y.abs() + E4M3_ABS_BOUND
+        assert bool((err[inside] <= bound[inside]).all()), (
+            f"max excess {(err - bound)[inside].max()}"
+        )
+        assert torch.equal(stored[~inside], y[~inside].sign() * FP8_E4M3_MAX)  # saturation
+        assert int((~inside).sum()) > 0 and int((y.abs() < 2.0**-6).sum()) > 0
+
+
+def test_fp8_saturation_bytes():
+    key = torch.tensor([1e4, -1e4, 448.0, -448.0, 460.0, 0.0, -0.0, 1e-9]).repeat(8).view(1, 1, 64)
+    key = key.to(torch.bfloat16)
+    value = -key
+    base = make_cache(1, 16, 1, 64, FP8_E4M3, "separate")
+    run_write_case(
+        key, value, base, "separate", 64, torch.tensor([3]), scale_tensor(1.0), scale_tensor(1.0)
+    )
+    stored = cache_views(base, "separate", 64)[0][0, 3, 0, :8].view(torch.uint8).tolist()
+    # 448 = 0x7E, -448 = 0xFE (0x7F/0xFF are NaN), -0.0 keeps its sign bit, 1e-9 flushes to 0
+    assert stored == [0x7E, 0xFE, 0x7E, 0xFE, 0x7E, 0x00, 0x80, 0x00]
+
+
+def test_fp8_reference_matches_torch_cast():
+    x = torch.tensor([0.1, -3.0, 500.0, -1e6])
+    got = quantize_e4m3_reference(x, torch.tensor([0.5])).float()
+    assert got.tolist() == [0.203125, -6.0, 448.0, -448.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused RoPE + write
+# ----------------------------------------------------------------------------------------------
+
+ROPE_CASES = [
+    # (dtype, head_size, rot_dim, is_neox, cos_sin dtype, Hq, Hkv, cache dtype, layout, T, rows)
+    (torch.bfloat16, 128, 128, True, torch.bfloat16, 8, 2, None, "qkv", 9, 9),
+    (torch.bfloat16, 128, 128, False, torch.float32, 6, 3, None, "padded_heads", 7, 5),
+    (torch.float16, 128, 64, True, torch.float32, 4, 1, None, "qkv", 6, 6),  # partial rotary
+    (torch.float16, 80, 80, False, torch.float16, 5, 1, None, "contiguous", 5, 3),
+    (torch.float32, 96, 32, False, torch.bfloat16, 3, 3, None, "qkv", 4, 4),  # partial gpt-j
+    (torch.float32, 64, 64, True, torch.float32, 2, 2, None, "padded_heads", 1, 1),
+    (torch.bfloat16, 256, 96, True, torch.bfloat16, 2, 1, FP8_E4M3, "qkv", 5, 4),  # partial + fp8
+    (torch.float16, 80, 80, False, torch.float32, 4, 2, FP8_E4M3, "qkv", 6, 6),
+]
+
+
+@pytest.mark.parametrize(
+    "case", ROPE_CASES, ids=lambda c: "-".join(str(v).removeprefix("torch.") for v in c)
+)
+def test_rope_matches_reference(case):
+    dtype, D, rot_dim, is_neox, cs_dtype, Hq, H, cache_dtype, layout, T, num_rows = case
+    gen = torch.Generator().manual_seed(ROPE_CASES.index(case))
+    atol, rtol = next((a, r) for dt, a, r in ROTARY_TOLERANCES if dt == dtype)
+    query, key, value = make_inputs(gen, T, Hq, H, D, dtype, layout)
+    max_pos, bs = 64, 16
+    angles = torch.rand(max_pos, rot_dim // 2, generator=gen) * 6.3
+    cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(cs_dtype)
+    positions = torch.randint(0, max_pos, (T,), generator=gen)
+    cache_dtype = cache_dtype or dtype
+    base = make_cache(T // bs + 2, bs, H, D, cache_dtype, "nhd")
+    slots = make_slots(gen, num_rows, (T // bs + 2) * bs, bs, pad_every=4)
+    scales = (scale_tensor(0.05), scale_tensor(0.08)) if cache_dtype == FP8_E4M3 else ()
+    query0, key0, value0 = query.clone(), key.clone(), value.clone()
+    ref_q, ref_k, ref_v = query.clone(), key.clone(), value.clone()
+    ref_cache = make_cache(T // bs + 2, bs, H, D, cache_dtype, "nhd")
+    rope_kv_cache_update_reference(
+        positions, ref_q, ref_k, ref_v, cos_sin_cache, is_neox, *cache_views(ref_cache, "nhd", D),
+        slots, *scales,
+    )  # fmt: skip
+
+    rope_kv_cache_update(
+        positions, query, key, value, cos_sin_cache, is_neox, *cache_views(base, "nhd", D), slots,
+        *scales,
+    )  # fmt: skip
+
+    # q and k: every row rotated, within rounding of the fp32 reference; the pass-through
+    # dims of partial rotary untouched (bitwise); value untouched.
+    assert_close(query, ref_q, atol=atol, rtol=rtol, what="query")
+    assert_close(key, ref_k, atol=atol, rtol=rtol, what="key")
+    assert torch.equal(query[..., rot_dim:], query0[..., rot_dim:])
+    assert torch.equal(key[..., rot_dim:], key0[..., rot_dim:])
+    assert torch.equal(value, value0)
+    # cache: exactly what the plain write makes of the key as written back ...
+    expected = make_cache(T // bs + 2, bs, H, D, cache_dtype, "nhd")
+    kv_cache_update_reference(key, value, *cache_views(expected, "nhd", D), slots, *scales)
+    assert_bitwise_equal(base, expected, "cache")
+    # ... and, where the interpreter rounds like the GPU (not bf16), the reference's own cache
+    if dtype != torch.bfloat16:
+        assert_bitwise_equal(base, ref_cache, "cache vs rope reference")
+    assert written_elements(base) == 2 * int((slots >= 0).sum()) * H * D
+
+
+def test_rope_reference_agrees_with_vllm_formula():
+    """The reference against vLLM's forward_static formula in fp32 (rotate_neox / rotate_gptj)."""
+    gen = torch.Generator().manual_seed(300)
+    T, H, D, rot = 3, 2, 8, 8
+    x = torch.randn(T, H, D, generator=gen)
+    cs = torch.randn(10, rot, generator=gen)
+    pos = torch.tensor([0, 9, 4])
+    cos, sin = cs[pos].chunk(2, dim=-1)
+    for is_neox in (True, False):
+        if is_neox:
+            cos_f, sin_f = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            rotated = torch.cat([-x[..., rot // 2 :], x[..., : rot // 2]], dim=-1)
+        else:
+            cos_f, sin_f = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+            rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+        want = x * cos_f[:, None] + rotated * sin_f[:, None]
+        assert_close(rotary_reference(pos, x, cs, is_neox), want, atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_only_variant_leaves_cache_alone():
+    gen = torch.Generator().manual_seed(301)
+    query, key, value = make_inputs(gen, 4, 4, 2, 64, torch.float32, "qkv")
+    cs = torch.randn(16, 64, generator=gen)
+    positions = torch.tensor([3, 0, 15, 7])
+    base = make_cache(1, 16, 2, 64, torch.float32, "nhd")
+    want_q = rotary_reference(positions, query, cs, True)
+    want_k = rotary_reference(positions, key, cs, True)
+    kvc._launch_rope(
+        positions, query, key, value, cs, True, *cache_views(base, "nhd", 64), torch.arange(4),
+        None, None, False, write_cache=False,
+    )  # fmt: skip
+    assert torch.equal(query, want_q) and torch.equal(key, want_k)
+    assert written_elements(base) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+
+def test_registered_as_custom_ops_with_fake_impls():
+    assert torch.ops.fuselane.kv_cache_update.default is not None
+    assert torch.ops.fuselane.rope_kv_cache_update.default is not None
+    # meta tensors dispatch to the fake implementation: validates, touches nothing
+    meta = dict(device="meta")
+    key = torch.empty(5, 2, 64, dtype=torch.bfloat16, **meta)
+    key_cache = torch.empty(3, 16, 2, 64, dtype=torch.bfloat16, **meta)
+    slots = torch.empty(5, dtype=torch.int64, **meta)
+    kv_cache_update(key, key, key_cache, key_cache, slots)
+    with pytest.raises(ValueError, match="head_size"):
+        kv_cache_update(
+            key[..., :48], key[..., :48], key_cache[..., :48], key_cache[..., :48], slots
+        )
+    query = torch.empty(5, 4, 64, dtype=torch.bfloat16, **meta)
+    cs = torch.empty(10, 64, dtype=torch.float32, **meta)
+    rope_kv_cache_update(slots, query, key, key, cs, True, key_cache, key_cache, slots)
+
+
+def test_torch_compile_fullgraph_on_cache_views():
+    """As vLLM compiles it: one graph, the op mutating split views of one cache tensor."""
+    gen = torch.Generator().manual_seed(401)
+    D = 64
+    _, key, value = make_inputs(gen, 5, 1, 2, D, torch.float16, "contiguous")
+    slots = torch.tensor([0, 5, 17, 33, -1])
+
+    def step(key, value, kv, slots):
+        key_cache, value_cache = kv.split(D, dim=-1)
+        kv_cache_update(key * 2, value, key_cache, value_cache, slots)
+        return kv.sum()
+
+    got = make_cache(3, 16, 2, D, torch.float16, "nhd")
+    torch.compile(step, backend="aot_eager", fullgraph=True)(key, value, got, slots)
+    want = make_cache(3, 16, 2, D, torch.float16, "nhd")
+    kv_cache_update_reference(key * 2, value, *cache_views(want, "nhd", D), slots)
+    assert_bitwise_equal(got, want, "cache")
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(400)
+    _, key, value = make_inputs(gen, 3, 1, 2, 64, torch.float16, "contiguous")
+    key_cache = torch.zeros(2, 16, 2, 64, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    torch.library.opcheck(
+        torch.ops.fuselane.kv_cache_update.default,
+        (key, value, key_cache, value_cache, torch.tensor([0, 17, 31])),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs: each raises ValueError naming the argument, before any launch
+# ----------------------------------------------------------------------------------------------
+
+
+def _good_write_args(cache_dtype=torch.bfloat16):
+    key = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 16, 2, 128, dtype=cache_dtype)
+    key_cache, value_cache = cache.split(64, dim=-1)
+    args = dict(
+        key=key, value=key.clone(), key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=torch.arange(4),
+    )  # fmt: skip
+    if cache_dtype == FP8_E4M3:
+        args.update(k_scale=scale_tensor(1.0), v_scale=scale_tensor(1.0))
+    return args
+
+
+META = torch.device("meta")
+WRITE_ERRORS = {
+    "key 2-D": (dict(key=torch.zeros(4, 128, dtype=torch.bfloat16)), "key"),
+    "key int": (dict(key=torch.zeros(4, 2, 64, dtype=torch.int32)), "key"),
+    "key last dim strided": (
+        dict(key=torch.zeros(4, 2, 128, dtype=torch.bfloat16)[..., ::2]),
+        "key",
+    ),
+    "head size 72": (
+        dict(
+            key=torch.zeros(4, 2, 72, dtype=torch.bfloat16),
+            value=torch.zeros(4, 2, 72, dtype=torch.bfloat16),
+        ),
+        "head_size",
+    ),
+    "value shape": (dict(value=torch.zeros(4, 1, 64, dtype=torch.bfloat16)), "value"),
+    "value dtype": (dict(value=torch.zeros(4, 2, 64, dtype=torch.float16)), "value"),
+    "value last dim strided": (
+        dict(value=torch.zeros(4, 2, 128, dtype=torch.bfloat16)[..., 1::2]),
+        "value",
+    ),
+    "value device": (dict(value=torch.zeros(4, 2, 64, dtype=torch.bfloat16, device=META)), "value"),
+    "key_cache dtype": (
+        dict(key_cache=torch.zeros(3, 16, 2, 64, dtype=torch.float16)),
+        "key_cache",
+    ),
+    "key_cache 3-D": (dict(key_cache=torch.zeros(48, 2, 64, dtype=torch.bfloat16)), "key_cache"),
+    "key_cache heads": (
+        dict(key_cache=torch.zeros(3, 16, 4, 64, dtype=torch.bfloat16)),
+        "key_cache",
+    ),
+    "key_cache last dim strided": (
+        dict(key_cache=torch.zeros(3, 16, 2, 128, dtype=torch.bfloat16)[..., ::2]),
+        "key_cache",
+    ),
+    "key_cache device": (
+        dict(key_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16, device=META)),
+        "key_cache",
+    ),
+    "block size 8": (
+        dict(
+            key_cache=torch.zeros(3, 8, 2, 64, dtype=torch.bfloat16),
+            value_cache=torch.zeros(3, 8, 2, 64, dtype=torch.bfloat16),
+        ),
+        "block_size",
+    ),
+    "value_cache shape": (
+        dict(value_cache=torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)),
+        "value_cache",
+    ),
+    "value_cache dtype": (
+        dict(value_cache=torch.zeros(3, 16, 2, 64, dtype=FP8_E4M3)),
+        "value_cache",
+    ),
+    "slot_mapping float": (dict(slot_mapping=torch.zeros(4)), "slot_mapping"),
+    "slot_mapping 2-D": (dict(slot_mapping=torch.zeros(4, 1, dtype=torch.int64)), "slot_mapping"),
+    "slot_mapping longer than key": (dict(slot_mapping=torch.arange(5)), "slot_mapping"),
+    "slot_mapping strided": (dict(slot_mapping=torch.arange(8)[::2]), "slot_mapping"),
+    "slot_mapping device": (dict(slot_mapping=torch.arange(4, device=META)), "slot_mapping"),
+    "k_scale dtype": (dict(k_scale=torch.tensor([1.0], dtype=torch.float16)), "k_scale"),
+    "v_scale two elements": (dict(v_scale=torch.ones(2)), "v_scale"),
+}
+FP8_ERRORS = {
+    "fp8 without k_scale": (dict(k_scale=None), "k_scale"),
+    "fp8 without v_scale": (dict(v_scale=None), "v_scale"),
+    "fp8 k_scale device": (dict(k_scale=torch.ones(1, device=META)), "k_scale"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITE_ERRORS) + list(FP8_ERRORS))
+@pytest.mark.parametrize("op", ["kernel", "reference"])
+def test_write_rejects_bad_input(name, op):
+    override, arg = {**WRITE_ERRORS, **FP8_ERRORS}[name]
+    args = _good_write_args(FP8_E4M3 if name in FP8_ERRORS else torch.bfloat16)
+    args.update(override)
+    fn = kv_cache_update if op == "kernel" else kv_cache_update_reference
+    with pytest.raises(ValueError, match=rf"^{arg}\b") as err:
+        fn(**args)
+    assert "expected" in str(err.value) and "got" in str(err.value)
+
+
+def test_non_tensor_argument_is_refused():
+    # the custom op's schema refuses it in the dispatcher, before the launcher runs
+    with pytest.raises(RuntimeError, match="argument 'key'"):
+        kv_cache_update(**{**_good_write_args(), "key": [0.0]})
+    with pytest.raises(ValueError, match=r"^key: expected a torch.Tensor, got list"):
+        kv_cache_update_reference(**{**_good_write_args(), "key": [0.0]})
+
+
+def _good_rope_args():
+    args = _good_write_args()
+    args.update(
+        positions=torch.arange(4),
+        query=torch.zeros(4, 6, 64, dtype=torch.bfloat16),
+        cos_sin_cache=torch.zeros(16, 64, dtype=torch.float32),
+        is_neox=True,
+    )
+    return args
+
+
+ROPE_ERRORS = {
+    "positions length": (dict(positions=torch.arange(3)), "positions"),
+    "positions float": (dict(positions=torch.zeros(4)), "positions"),
+    "positions device": (dict(positions=torch.arange(4, device=META)), "positions"),
+    "query head size": (dict(query=torch.zeros(4, 6, 128, dtype=torch.bfloat16)), "query"),
+    "query tokens": (dict(query=torch.zeros(5, 6, 64, dtype=torch.bfloat16)), "query"),
+    "query dtype": (dict(query=torch.zeros(4, 6, 64, dtype=torch.float32)), "query"),
+    "query last dim strided": (
+        dict(query=torch.zeros(4, 6, 128, dtype=torch.bfloat16)[..., ::2]),
+        "query",
+    ),
+    "cos_sin_cache odd rot_dim": (dict(cos_sin_cache=torch.zeros(16, 63)), "cos_sin_cache"),
+    "cos_sin_cache rot_dim > head_size": (dict(cos_sin_cache=torch.zeros(16, 66)), "cos_sin_cache"),
+    "cos_sin_cache int": (
+        dict(cos_sin_cache=torch.zeros(16, 64, dtype=torch.int32)),
+        "cos_sin_cache",
+    ),
+    "cos_sin_cache 1-D": (dict(cos_sin_cache=torch.zeros(64)), "cos_sin_cache"),
+    "key shape (write part)": (dict(key=torch.zeros(4, 3, 64, dtype=torch.bfloat16)), "value"),
+    "slot_mapping (write part)": (dict(slot_mapping=torch.arange(5)), "slot_mapping"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_ERRORS))
+def test_rope_rejects_bad_input(name):
+    override, arg = ROPE_ERRORS[name]
+    args = _good_rope_args()
+    args.update(override)
+    with pytest.raises(ValueError, match=rf"^{arg}\b"):
+        rope_kv_cache_update(**args)
+
+
+def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
+    monkeypatch.setattr(kvc, "_interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"^key: expected a CUDA tensor"):
+        kv_cache_update(**_good_write_args())
+    with pytest.raises(ValueError, match=r"^key: expected a CUDA tensor"):
+        rope_kv_cache_update(**_good_rope_args())
