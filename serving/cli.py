@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from fuselane.serving import bench_serve
+
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from fuselane.serving.selfcheck import run_selfcheck
@@ -40,7 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.set_defaults(func=_cmd_check)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: end-to-end serving load (bench serve)",
+        description="Benchmarks. `bench serve` drives OpenAI-compatible endpoints with load.",
+    )
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bench_serve.add_parser(bench_sub)
+    bench.set_defaults(func=lambda _args: _missing_subcommand(bench))
     return parser
+
+
+def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
