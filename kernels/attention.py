@@ -1,0 +1,740 @@
+"""Paged attention over vLLM's KV cache: decode, prefill and mixed batches behind one entry point.
+
+Semantics are those of vLLM's TRITON_ATTN backend (varlen layout, as `unified_attention`
+receives it):
+
+- `q [num_tokens, Hq, D]` fp16/bf16; the query tokens of sequence b are rows
+  `cu_seqlens_q[b] : cu_seqlens_q[b + 1]` and are the last `query_len` positions of a sequence
+  of `seq_lens[b]` keys (KV length including the new tokens). Rows of `q`/`out` past
+  `cu_seqlens_q[-1]` (CUDA-graph padding) are neither read nor written.
+- `key_cache` / `value_cache [num_blocks, block_size, Hkv, D]` with any strides whose last one
+  is 1 (views of one KV tensor), fp16/bf16 like q, or fp8 e4m3 with per-tensor fp32 scales
+  (`k_scale`, `v_scale`: one-element tensors; value = stored * scale).
+- causal; GQA/MQA (Hq a multiple of Hkv); sliding window with vLLM's convention (the model's
+  `sliding_window` W: a query at absolute position p sees keys k with p - W < k <= p, i.e.
+  TRITON_ATTN's `SLIDING_WINDOW = 1 + window_size[0]` with `window_size = (W - 1, 0)`); logit
+  soft cap (`softcap * tanh(s / softcap)` on the scaled logit s); attention sinks (one fp32
+  logit per query head, in the units of the scaled logits, that joins the softmax denominator
+  only).
+
+How a call runs (`plan_launch` decides, from shapes only, so a CUDA graph captured for one batch
+shape stays valid for any sequence lengths replayed into it):
+
+- `max_query_len <= qpos_cap` (decode, speculative verify): `_decode_kernel`, flash-decoding
+  with the work of each (sequence, kv head) split over `num_splits` programs when the batch
+  alone cannot fill the GPU, then `_splitkv_reduce_kernel`.
+- otherwise (prefill, mixed): the decode kernel takes the sequences with query_len <= qpos_cap
+  and `_prefill_kernel` the others; both are launched over the whole batch and each program
+  reads its sequence's query_len on the device to know whether it is its own.
+
+`max_query_len` and `max_seq_len` only pick the path: every path is exact for any query
+lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is not used at
+all, since CUDA-graph replays change sequence lengths under a captured launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._checks import FP8_E4M3, check_choice, check_tensor
+from .attention_decode import launch_decode
+from .attention_prefill import launch_prefill
+
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
+SUPPORTED_Q_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+SUPPORTED_KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, FP8_E4M3)
+# Query heads per kv head: the decode tile packs a whole group into at most 128 rows.
+MAX_GQA_GROUP = 128
+# Longest query the decode kernel takes in a mixed batch (vLLM's MAX_3D_QUERY_LEN: decode rows
+# and speculative-verify rows of 1 + num_speculative_tokens).
+DECODE_MAX_QUERY_LEN = 8
+# Rows of a decode tile (query positions x group heads) are capped so its fp32 accumulator
+# stays in registers.
+DECODE_MAX_ROWS = 128
+DEFAULT_MAX_SPLITS = 64
+# Split-KV rule (not yet measured on GPU: bench_attention.py sweeps it). A batch with at least
+# NO_SPLIT_CTAS_PER_SM * SMs (sequence, kv head) programs runs unsplit; a smaller one is split so
+# that about TARGET_CTAS_PER_SM * SMs programs stream the cache.
+NO_SPLIT_CTAS_PER_SM = 2
+TARGET_CTAS_PER_SM = 4
+# SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
+CPU_SM_COUNT = 132
+# Largest grid extent on CUDA's second and third axes.
+MAX_GRID_YZ = 65535
+
+
+def supported_head_sizes() -> tuple[int, ...]:
+    """Head sizes the kernels compile for (non-powers of two run in padded tiles)."""
+    return SUPPORTED_HEAD_SIZES
+
+
+def check_supported(
+    *,
+    head_size: int | None = None,
+    block_size: int | None = None,
+    q_dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
+    num_q_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> None:
+    """Raise ValueError naming what is supported if any given property is not.
+
+    For the plugin's capability hooks: pass whichever properties are known.
+    """
+    if head_size is not None:
+        check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
+    if block_size is not None:
+        check_choice("block_size", block_size, SUPPORTED_BLOCK_SIZES)
+    if q_dtype is not None:
+        check_choice("q dtype", q_dtype, SUPPORTED_Q_DTYPES)
+    if kv_cache_dtype is not None:
+        check_choice("kv_cache dtype", kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
+    if num_q_heads is not None and num_kv_heads is not None:
+        if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_q_heads: expected a positive multiple of num_kv_heads={num_kv_heads}, "
+                f"got {num_q_heads}"
+            )
+        if num_q_heads // num_kv_heads > MAX_GQA_GROUP:
+            raise ValueError(
+                f"num_q_heads: expected at most {MAX_GQA_GROUP} query heads per kv head, got "
+                f"{num_q_heads // num_kv_heads} ({num_q_heads} / {num_kv_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """Split-KV scratch, allocated once per engine and reused by every layer and step.
+
+    partial_out: [max_num_tokens * num_q_heads * max_splits * head_pad] fp32
+    partial_ml:  [max_num_tokens * num_q_heads * max_splits * 2] fp32 (running max, sum)
+
+    A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
+    positions, 1 for plain decode); when that does not fit, the call runs with fewer splits. The
+    fit depends on shapes only, so CUDA graphs stay valid.
+    """
+
+    partial_out: torch.Tensor
+    partial_ml: torch.Tensor
+    max_num_tokens: int
+    num_q_heads: int
+    head_size: int
+    max_splits: int
+
+    @classmethod
+    def allocate(
+        cls,
+        max_num_tokens: int,
+        num_q_heads: int,
+        head_size: int,
+        device: torch.device,
+        max_splits: int = DEFAULT_MAX_SPLITS,
+    ) -> AttentionWorkspace:
+        """Allocate room for `max_num_tokens` split query rows of `num_q_heads` heads.
+
+        max_num_tokens: the most (sequences x query rows) a split launch should cover, e.g.
+        the largest decode batch that still leaves the GPU idle (4 * SMs / Hkv sequences) times
+        1 + num_speculative_tokens. Memory: max_num_tokens * num_q_heads * max_splits *
+        (next_pow2(head_size) + 2) * 4 bytes.
+        """
+        for name, value in (
+            ("max_num_tokens", max_num_tokens),
+            ("num_q_heads", num_q_heads),
+            ("max_splits", max_splits),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
+        rows = max_num_tokens * num_q_heads * max_splits
+        head_pad = triton.next_power_of_2(head_size)
+        return cls(
+            partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
+            partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
+            max_num_tokens=max_num_tokens,
+            num_q_heads=num_q_heads,
+            head_size=head_size,
+            max_splits=max_splits,
+        )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    qpos: int  # query positions per decode tile
+    block_m: int  # rows of the tile: next_pow2(max(16, qpos * group))
+    tile_n: int  # KV tokens per loop step
+    num_splits: int
+    max_q: int  # sequences with a longer query are the prefill kernel's (0: none)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # rows of the Q tile (block_m // group query positions)
+    block_n: int  # KV tokens per loop step
+    min_q: int  # sequences with query_len <= min_q are the decode kernel's
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    decode: DecodeConfig
+    prefill: PrefillConfig | None
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (read once per device); CPU_SM_COUNT off-GPU."""
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+def _decode_tile(qpos: int, group: int, head_size: int) -> tuple[int, int, int, int]:
+    """(block_m, tile_n, num_warps, num_stages) of the decode kernel. Not yet measured on GPU.
+
+    64 KV tokens (4 pages of 16) per step keep 32 KiB of bf16 K+V per pipeline stage in
+    flight for D=128; D=256 halves the tokens to keep the same bytes per stage.
+    """
+    block_m = max(16, triton.next_power_of_2(qpos * group))
+    head_pad = triton.next_power_of_2(head_size)
+    tile_n = 64 if head_pad <= 128 else 32
+    num_warps = 4 if block_m <= 64 else 8
+    num_stages = 3 if head_pad <= 128 else 2
+    return block_m, tile_n, num_warps, num_stages
+
+
+def _prefill_tile(group: int, head_size: int) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the prefill kernel. Not yet measured on GPU.
+
+    128 x 64 tiles with 8 warps and 3 stages (the Triton fused-attention tutorial's Hopper
+    choice for D=128); D=256 halves the rows so Q, and 2 stages of K and V, fit in shared memory.
+    """
+    head_pad = triton.next_power_of_2(head_size)
+    if head_pad <= 64:
+        block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
+    elif head_pad <= 128:
+        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 64, 64, 8, 2
+    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
+
+
+def _num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    rows: int,
+    num_q_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: AttentionWorkspace | None,
+) -> int:
+    """Split count from the batch shape, the SM count and the workspace size (never lengths)."""
+    if workspace is None:
+        return 1
+    programs = num_seqs * num_kv_heads
+    if programs >= NO_SPLIT_CTAS_PER_SM * sms:
+        return 1
+    want = min(math.ceil(TARGET_CTAS_PER_SM * sms / programs), workspace.max_splits)
+    head_pad = triton.next_power_of_2(head_size)
+    row_heads = rows * num_q_heads
+    fit = min(
+        workspace.partial_out.numel() // (row_heads * head_pad),
+        workspace.partial_ml.numel() // (row_heads * 2),
+    )
+    splits = min(want, fit, MAX_GRID_YZ)
+    return splits if splits >= 2 else 1
+
+
+def plan_launch(
+    *,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    sms: int,
+    workspace: AttentionWorkspace | None,
+) -> LaunchPlan:
+    """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs)."""
+    group = num_q_heads // num_kv_heads
+    qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
+    decode_only = max_query_len <= qpos_cap
+    qpos = max(1, max_query_len) if decode_only else qpos_cap
+    block_m, tile_n, num_warps, num_stages = _decode_tile(qpos, group, head_size)
+    splits = _num_splits(
+        num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, sms, workspace
+    )
+    decode = DecodeConfig(
+        qpos=qpos,
+        block_m=block_m,
+        tile_n=tile_n,
+        num_splits=splits,
+        max_q=0 if decode_only else qpos_cap,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    prefill = None
+    if not decode_only:
+        block_m, block_n, num_warps, num_stages = _prefill_tile(group, head_size)
+        prefill = PrefillConfig(
+            block_m=block_m,
+            block_n=block_n,
+            min_q=qpos_cap,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def _check_args(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Host-side checks (shapes, dtypes, devices, strides, scalars); never reads device data."""
+    check_tensor("q", q, ndim=3, dtypes=SUPPORTED_Q_DTYPES, last_dim_contiguous=True)
+    device = q.device
+    num_tokens, num_q_heads, head_size = q.shape
+    check_tensor(
+        "key_cache",
+        key_cache,
+        ndim=4,
+        dtypes=(q.dtype, FP8_E4M3),
+        device=device,
+        last_dim_contiguous=True,
+    )
+    num_blocks, block_size, num_kv_heads, kv_head_size = key_cache.shape
+    check_tensor(
+        "value_cache",
+        value_cache,
+        shape=list(key_cache.shape),
+        dtypes=(key_cache.dtype,),
+        device=device,
+        last_dim_contiguous=True,
+    )
+    if kv_head_size != head_size:
+        raise ValueError(
+            f"key_cache: expected head size {head_size} (q's last dimension), got {kv_head_size}"
+        )
+    check_supported(
+        head_size=head_size,
+        block_size=block_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+    )
+    check_tensor(
+        "out", out, shape=list(q.shape), dtypes=(q.dtype,), device=device, last_dim_contiguous=True
+    )
+    check_tensor(
+        "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q: expected shape [num_seqs + 1], got [0]")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    check_tensor(
+        "seq_lens",
+        seq_lens,
+        shape=[num_seqs],
+        dtypes=(torch.int32,),
+        device=device,
+        contiguous=True,
+    )
+    check_tensor(
+        "block_table",
+        block_table,
+        shape=[num_seqs, None],
+        dtypes=(torch.int32,),
+        device=device,
+        last_dim_contiguous=True,
+    )
+    if num_seqs > MAX_GRID_YZ:
+        raise ValueError(f"seq_lens: expected at most {MAX_GRID_YZ} sequences, got {num_seqs}")
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap!r}")
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(
+            f"sliding_window: expected None or an int >= 1 (keys per query, itself included), "
+            f"got {sliding_window!r}"
+        )
+    if sinks is not None:
+        check_tensor("sinks", sinks, shape=[num_q_heads], dtypes=(torch.float32,), device=device)
+    kv_fp8 = key_cache.dtype == FP8_E4M3
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            if kv_fp8:
+                raise ValueError(f"{name}: required for a float8_e4m3fn KV cache, got None")
+            continue
+        check_tensor(name, t, dtypes=(torch.float32,), device=device)
+        if t.numel() != 1:
+            raise ValueError(f"{name}: expected one element (a per-tensor scale), got {t.shape}")
+    del num_tokens, num_blocks
+
+
+def _run(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    workspace: AttentionWorkspace | None,
+    plan: LaunchPlan | None = None,
+) -> None:
+    """Launch the kernels of `plan` (default: `plan_launch` for these shapes). A given plan is
+    for benchmark sweeps; its splits must fit the workspace."""
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return
+    if plan is None:
+        plan = plan_launch(
+            num_seqs=num_seqs,
+            num_q_heads=q.shape[1],
+            num_kv_heads=key_cache.shape[2],
+            head_size=q.shape[2],
+            max_query_len=max_query_len,
+            sms=sm_count(q.device),
+            workspace=workspace,
+        )
+    # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
+    # the CPU the kernels can only be running under it.
+    upcast_dot = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    dec = plan.decode
+    launch_decode(
+        q,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        sinks,
+        k_scale,
+        v_scale,
+        workspace.partial_out if workspace is not None else None,
+        workspace.partial_ml if workspace is not None else None,
+        scale=scale,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        qpos=dec.qpos,
+        block_m=dec.block_m,
+        tile_n=dec.tile_n,
+        num_splits=dec.num_splits,
+        max_q=dec.max_q,
+        num_warps=dec.num_warps,
+        num_stages=dec.num_stages,
+        upcast_dot=upcast_dot,
+    )
+    if plan.prefill is not None:
+        pre = plan.prefill
+        launch_prefill(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            sinks,
+            k_scale,
+            v_scale,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
+            block_m=pre.block_m,
+            block_n=pre.block_n,
+            min_q=pre.min_q,
+            num_warps=pre.num_warps,
+            num_stages=pre.num_stages,
+            upcast_dot=upcast_dot,
+        )
+
+
+@torch.library.custom_op(
+    "fuselane::paged_attention", mutates_args=("out", "ws_partial_out", "ws_partial_ml")
+)
+def _paged_attention_op(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    ws_partial_out: torch.Tensor | None,
+    ws_partial_ml: torch.Tensor | None,
+    ws_max_num_tokens: int,
+    ws_max_splits: int,
+) -> None:
+    """torch.library form of `paged_attention` (the workspace passed as its two buffers)."""
+    workspace = None
+    if ws_partial_out is not None and ws_partial_ml is not None:
+        workspace = AttentionWorkspace(
+            partial_out=ws_partial_out,
+            partial_ml=ws_partial_ml,
+            max_num_tokens=ws_max_num_tokens,
+            num_q_heads=q.shape[1],
+            head_size=q.shape[2],
+            max_splits=ws_max_splits,
+        )
+    _run(
+        q,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        max_query_len,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+        k_scale,
+        v_scale,
+        workspace,
+    )
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(
+    q,
+    key_cache,
+    value_cache,
+    out,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    max_query_len,
+    scale,
+    sliding_window,
+    softcap,
+    sinks,
+    k_scale,
+    v_scale,
+    ws_partial_out,
+    ws_partial_ml,
+    ws_max_num_tokens,
+    ws_max_splits,
+) -> None:
+    return None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    workspace: AttentionWorkspace | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of a varlen batch (decode, prefill or mixed); writes and returns out.
+
+    q:            [num_tokens, Hq, D] fp16/bf16
+    key_cache:    [num_blocks, block_size, Hkv, D] q's dtype or float8_e4m3fn, last stride 1
+    value_cache:  like key_cache
+    out:          [num_tokens, Hq, D] q's dtype, written for rows < cu_seqlens_q[-1] only
+    cu_seqlens_q: [num_seqs + 1] int32, query row offsets
+    seq_lens:     [num_seqs] int32, KV length of each sequence including its query tokens
+    block_table:  [num_seqs, max_blocks] int32, physical block of each logical block
+    max_query_len: host int >= every query length: picks the decode-only path when <= 8
+    max_seq_len:  host int (accepted for vLLM parity; unused, see the module docstring)
+    scale:        softmax scale (> 0)
+    sliding_window: None, or W keys per query (itself included), vLLM's convention
+    softcap:      0 = off, else logits become softcap * tanh(logit / softcap)
+    sinks:        [Hq] fp32 sink logits, or None
+    k_scale, v_scale: [1] fp32 per-tensor scales, required for an fp8 cache
+    workspace:    split-KV scratch; None runs without splits (slower for small decode batches)
+
+    No host sync and no allocation: safe inside CUDA graphs.
+    """
+    _check_args(
+        q,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        max_query_len,
+        max_seq_len,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+        k_scale,
+        v_scale,
+    )
+    if workspace is not None:
+        if not isinstance(workspace, AttentionWorkspace):
+            raise ValueError(
+                f"workspace: expected an AttentionWorkspace, got {type(workspace).__name__}"
+            )
+        if workspace.partial_out.device != q.device:
+            raise ValueError(
+                f"workspace: expected device {q.device}, got {workspace.partial_out.device}"
+            )
+    window = 0 if sliding_window is None else sliding_window
+    if torch.compiler.is_compiling():
+        _paged_attention_op(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            max_query_len,
+            float(scale),
+            window,
+            float(softcap),
+            sinks,
+            k_scale,
+            v_scale,
+            workspace.partial_out if workspace is not None else None,
+            workspace.partial_ml if workspace is not None else None,
+            workspace.max_num_tokens if workspace is not None else 0,
+            workspace.max_splits if workspace is not None else 0,
+        )
+    else:
+        # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per
+        # layer under piecewise CUDA graphs, where attention runs eagerly).
+        _run(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            max_query_len,
+            float(scale),
+            window,
+            float(softcap),
+            sinks,
+            k_scale,
+            v_scale,
+            workspace,
+        )
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 torch definition of `paged_attention` (same arguments, minus the workspace).
+
+    Gathers each sequence's pages, dequantizes fp8 (value = stored * scale), and computes
+    softmax(mask(softcap(scale * q k^T)) [+ sink column]) v per query head in fp32. Reads the
+    lengths on the host: a reference, not for the serving path.
+    """
+    del max_query_len, max_seq_len  # the reference needs no hints
+    num_q_heads, head_size = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    kv_fp8 = key_cache.dtype == FP8_E4M3
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, stop = cu[b], cu[b + 1]
+        q_len = stop - start
+        if q_len <= 0:
+            continue
+        pages = block_table[b, : (seq_len + block_size - 1) // block_size].long()
+        k = key_cache[pages].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        v = value_cache[pages].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        if kv_fp8:
+            k = k * k_scale.float().reshape(())
+            v = v * v_scale.float().reshape(())
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qf = q[start:stop].float()  # [q_len, Hq, D]
+        s = torch.einsum("qhd,khd->hqk", qf, k) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        s = s.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink_col = sinks.float()[:, None, None].expand(num_q_heads, q_len, 1)
+            s = torch.cat([s, sink_col], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :seq_len]
+        out[start:stop] = torch.einsum("hqk,khd->qhd", p, v).to(out.dtype)
+    return out

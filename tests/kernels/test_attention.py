@@ -1,0 +1,603 @@
+"""kernels/attention.py: paged attention against its fp32 torch reference.
+
+Runs under Triton's interpreter on the CPU. Every batch is built the way vLLM hands it over:
+caches that are strided views of one KV tensor (K and V interleaved per head, or head-major),
+a random page permutation, block 0 as the null block that unused block-table entries point at,
+queries as views of a fused QKV output. Everything the kernel must not read is NaN: the null
+block, spare blocks, and the slots past seq_len in each sequence's last page. `out` is NaN
+before every call, and its rows past cu_seqlens_q[-1] (CUDA-graph padding) must still be NaN
+after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fuselane.kernels import attention as attn
+from fuselane.kernels import attention_decode, attention_prefill
+from fuselane.kernels._checks import FP8_E4M3
+from fuselane.kernels.attention import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_HEAD_SIZES,
+    AttentionWorkspace,
+    paged_attention,
+    paged_attention_reference,
+)
+from tests.allclose import assert_close
+
+FP8_NAN_BYTE = 0x7F
+PAD_ROWS = 3  # rows of q / out past cu_seqlens_q[-1]
+# (q dtype, atol, rtol) against the fp32 reference. The kernel rounds the softmax weights to the
+# q dtype before P @ V (as every flash kernel does) and the output once; Triton's interpreter
+# also rounds fp32 -> bf16 toward zero. Largest errors measured over these cases: fp16 0.002,
+# bf16 0.016 (one bf16 ulp at |out| ~ 2).
+ATTN_TOLERANCES = [
+    (torch.float16, 4e-3, 4e-3),
+    (torch.bfloat16, 2.5e-2, 2.5e-2),
+]
+TOL = {dt: (atol, rtol) for dt, atol, rtol in ATTN_TOLERANCES}
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    q_dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+    layout: str = "nhd",
+    seed: int = 0,
+) -> dict:
+    """Inputs of one call (keys named as paged_attention's arguments) plus `num_rows`."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or q_dtype
+    assert all(s >= q for q, s in zip(q_lens, seq_lens, strict=True))
+    pages = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(pages) + 2  # block 0: null block; 2 spare blocks
+    H, D = num_kv_heads, head_size
+    if layout == "nhd":  # vLLM's default: physical [blocks, slots, heads, K|V]
+        base = torch.randn(num_blocks, block_size, H, 2 * D, generator=gen)
+    elif layout == "hnd":  # physical [blocks, heads, slots, K|V]: head stride > slot stride
+        base = torch.randn(num_blocks, H, block_size, 2 * D, generator=gen)
+    else:
+        raise AssertionError(layout)
+    # Unreadable data: null block, spare blocks, slots past each sequence's end.
+    poison = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    poison[0] = True
+    poison[-2:] = True
+    order = (torch.randperm(num_blocks - 3, generator=gen) + 1).tolist()
+    block_table = torch.zeros(len(seq_lens), max(pages, default=0) + 2, dtype=torch.int32)
+    next_page = 0
+    for b, (n_pages, seq_len) in enumerate(zip(pages, seq_lens, strict=True)):
+        phys = order[next_page : next_page + n_pages]
+        next_page += n_pages
+        block_table[b, :n_pages] = torch.tensor(phys, dtype=torch.int32)
+        if n_pages:
+            tail = seq_len - (n_pages - 1) * block_size
+            poison[phys[-1], tail:] = True
+    if kv_dtype == FP8_E4M3:
+        base = (base * 2.0).to(FP8_E4M3)  # e4m3 codes spread over [-8, 8]
+        base.view(torch.uint8).masked_fill_(poison_mask(poison, layout, base.shape), FP8_NAN_BYTE)
+    else:
+        base = base.to(kv_dtype)
+        base.masked_fill_(poison_mask(poison, layout, base.shape), float("nan"))
+    if layout == "nhd":
+        key_cache, value_cache = base.split(D, dim=-1)
+    else:
+        key_cache, value_cache = base.transpose(1, 2).split(D, dim=-1)
+
+    num_rows = sum(q_lens)
+    # q: a view of a fused QKV projection output (row stride (Hq + 2 Hkv) * D)
+    qkv = torch.randn(num_rows + PAD_ROWS, (num_q_heads + 2 * H) * D, generator=gen)
+    q = qkv.to(q_dtype)[:, : num_q_heads * D].view(num_rows + PAD_ROWS, num_q_heads, D)
+    cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()])
+    args = dict(
+        q=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        cu_seqlens_q=cu.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        max_query_len=max(q_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        scale=1.0 / math.sqrt(D),
+    )
+    if kv_dtype == FP8_E4M3:
+        args["k_scale"] = torch.tensor([0.37], dtype=torch.float32)
+        args["v_scale"] = torch.tensor([0.61], dtype=torch.float32)
+    args["num_rows"] = num_rows
+    return args
+
+
+def poison_mask(poison: torch.Tensor, layout: str, shape: torch.Size) -> torch.Tensor:
+    """[blocks, slots] poison flags broadcast onto the physical base tensor."""
+    if layout == "nhd":
+        return poison[:, :, None, None].expand(shape)
+    return poison[:, None, :, None].expand(shape)
+
+
+def nan_out(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"), dtype=q.dtype)
+
+
+def run_case(batch: dict, *, workspace=None, **options) -> torch.Tensor:
+    """Kernel vs reference on `batch`; returns the kernel's output."""
+    batch = dict(batch)
+    num_rows = batch.pop("num_rows")
+    q = batch["q"]
+    out = nan_out(q)
+    expected = nan_out(q)
+    paged_attention_reference(out=expected, **batch, **options)
+    result = paged_attention(out=out, **batch, workspace=workspace, **options)
+    assert result is out
+    atol, rtol = TOL[q.dtype]
+    assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="attention")
+    assert torch.isnan(out[num_rows:]).all(), "rows past cu_seqlens_q[-1] were written"
+    return out
+
+
+def workspace(num_q_heads: int, head_size: int, max_splits: int = 4, rows: int = 32):
+    return AttentionWorkspace.allocate(rows, num_q_heads, head_size, CPU, max_splits=max_splits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode (query_len 1)
+# ----------------------------------------------------------------------------------------------
+
+# Every head size and block size, GQA groups 1/2/4/5/8, both q dtypes, fp8 KV; contexts of one
+# token, exact page multiples, one past a page, and long ones over many pages.
+DECODE_CASES = [
+    # (Hq, Hkv, D, block, q dtype, kv dtype, seq_lens, max_splits)
+    (4, 1, 64, 16, torch.bfloat16, None, [1, 16, 17, 100], 4),
+    (8, 1, 80, 32, torch.float16, None, [33, 64, 65, 700], 3),
+    (6, 3, 96, 64, torch.bfloat16, None, [2, 64, 129, 300], 2),
+    (5, 1, 128, 16, torch.float16, None, [1, 31, 32, 1999], 4),
+    (2, 2, 256, 32, torch.bfloat16, None, [1, 63, 97, 200], 4),
+    (4, 4, 128, 64, torch.float16, None, [5, 128, 1000], 1),
+    (4, 2, 128, 16, torch.bfloat16, FP8_E4M3, [1, 47, 300], 4),
+    (6, 3, 80, 32, torch.float16, FP8_E4M3, [3, 32, 33, 250], 2),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    DECODE_CASES,
+    ids=lambda c: (
+        f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-bs{c[3]}-{str(c[4])[6:]}-"
+        f"{'fp8' if c[5] else 'same'}-splits{c[7]}"
+    ),
+)
+def test_decode_matches_reference(case):
+    Hq, Hkv, D, bs, q_dtype, kv_dtype, seq_lens, max_splits = case
+    batch = make_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_size=D,
+        block_size=bs,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        layout=("nhd", "hnd")[D % 3 == 0],
+        seed=D + bs,
+    )
+    ws = workspace(Hq, D, max_splits) if max_splits > 1 else None
+    run_case(batch, workspace=ws)
+
+
+def test_decode_without_workspace_runs_unsplit():
+    batch = make_batch(
+        [1, 1], [40, 300], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16
+    )
+    run_case(batch, workspace=None)
+
+
+def test_split_kv_with_many_empty_splits():
+    """64 splits over a 1-token, a 70-token and a 1000-token context: most splits of the short
+    sequences own no tile and must write a neutral partial the reduction ignores."""
+    batch = make_batch(
+        [1, 1, 1], [1, 70, 1000], num_q_heads=4, num_kv_heads=1, head_size=64, block_size=16, seed=3
+    )
+    ws = workspace(4, 64, max_splits=64, rows=3)
+    plan = attn.plan_launch(
+        num_seqs=3, num_q_heads=4, num_kv_heads=1, head_size=64, max_query_len=1,
+        sms=attn.sm_count(CPU), workspace=ws,
+    )  # fmt: skip
+    assert plan.decode.num_splits == 64
+    run_case(batch, workspace=ws)
+
+
+def test_small_workspace_reduces_splits():
+    ws = workspace(4, 64, max_splits=8, rows=2)  # room for 2 rows x 8 splits
+    plan = attn.plan_launch(
+        num_seqs=4, num_q_heads=4, num_kv_heads=1, head_size=64, max_query_len=1, sms=132,
+        workspace=ws,
+    )  # fmt: skip
+    assert plan.decode.num_splits == 4
+    batch = make_batch([1] * 4, [5, 90, 200, 33], num_q_heads=4, num_kv_heads=1, head_size=64,
+                       block_size=16, seed=4)  # fmt: skip
+    run_case(batch, workspace=ws)
+
+
+def test_padding_requests_with_empty_query():
+    """CUDA-graph padding: requests with query_len 0 (and seq_len 0) write nothing."""
+    batch = make_batch([1, 0, 1, 0], [50, 0, 7, 0], num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=5)  # fmt: skip
+    run_case(batch, workspace=workspace(4, 64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill, speculative verify, mixed batches
+# ----------------------------------------------------------------------------------------------
+
+MIXED_CASES = [
+    # (Hq, Hkv, D, block, q dtype, kv dtype, q_lens, seq_lens)
+    # pure prefill, query_len == seq_len (no cache prefix), page-crossing lengths
+    (4, 1, 128, 16, torch.bfloat16, None, [130, 17, 1], [130, 17, 1]),
+    (6, 3, 96, 32, torch.float16, None, [200, 9], [200, 9]),
+    # chunked prefill after a cached prefix
+    (8, 1, 64, 64, torch.bfloat16, None, [100, 40], [612, 41]),
+    (5, 1, 80, 16, torch.float16, None, [33, 10], [1033, 10]),
+    (2, 2, 256, 32, torch.bfloat16, None, [70, 12], [170, 300]),
+    # mixed: decode rows, verify rows of 2-8, prefill chunks in one call
+    (4, 2, 128, 16, torch.bfloat16, None, [1, 3, 64, 1, 8, 20], [500, 77, 64, 1, 1900, 300]),
+    (8, 2, 64, 32, torch.float16, None, [2, 1, 150, 5, 1], [40, 1, 150, 1000, 17]),
+    (4, 2, 128, 16, torch.bfloat16, FP8_E4M3, [1, 4, 90, 1], [300, 50, 190, 1]),
+    (6, 3, 80, 64, torch.float16, FP8_E4M3, [40, 1, 7], [40, 600, 7]),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    MIXED_CASES,
+    ids=lambda c: (
+        f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-bs{c[3]}-{str(c[4])[6:]}-"
+        f"{'fp8' if c[5] else 'same'}-q{'_'.join(map(str, c[6]))}"
+    ),
+)
+def test_prefill_and_mixed_match_reference(case):
+    Hq, Hkv, D, bs, q_dtype, kv_dtype, q_lens, seq_lens = case
+    batch = make_batch(
+        q_lens,
+        seq_lens,
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_size=D,
+        block_size=bs,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        layout=("nhd", "hnd")[bs == 32],
+        seed=sum(q_lens),
+    )
+    run_case(batch, workspace=workspace(Hq, D))
+
+
+@pytest.mark.parametrize("q_lens", [[2, 5, 8], [3, 1, 4, 2]])
+def test_speculative_verify_batch(q_lens):
+    """max_query_len <= 8: only the decode kernel runs, with several query positions per tile."""
+    seq_lens = [q + c for q, c in zip(q_lens, [30, 250, 17, 64], strict=False)]
+    batch = make_batch(q_lens, seq_lens, num_q_heads=8, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=len(q_lens))  # fmt: skip
+    plan = attn.plan_launch(
+        num_seqs=len(q_lens), num_q_heads=8, num_kv_heads=2, head_size=64,
+        max_query_len=max(q_lens), sms=132, workspace=workspace(8, 64),
+    )  # fmt: skip
+    assert plan.prefill is None and plan.decode.qpos == max(q_lens)
+    run_case(batch, workspace=workspace(8, 64, rows=32))
+
+
+def test_stale_max_query_len_is_still_exact():
+    """A graph captured as a decode batch (max_query_len=1) replayed with longer queries: the
+    decode kernel walks the extra positions in chunks, the result stays exact."""
+    batch = make_batch([1, 3, 20], [90, 40, 20], num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=6)  # fmt: skip
+    batch["max_query_len"] = 1
+    run_case(batch, workspace=workspace(4, 64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding window, soft cap, sinks
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window,q_lens,seq_lens",
+    [
+        (1, [1, 5, 40], [30, 5, 300]),  # each query sees itself only
+        (16, [1, 1, 70], [17, 500, 200]),  # page-aligned window
+        (50, [1, 3, 130], [1, 300, 400]),  # window longer than a context, shorter than others
+        (100, [2, 64], [1000, 64]),  # window > query_len: prefill tile crosses the window edge
+    ],
+)
+def test_sliding_window(window, q_lens, seq_lens):
+    batch = make_batch(q_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=window)  # fmt: skip
+    run_case(batch, workspace=workspace(4, 64), sliding_window=window)
+
+
+def test_sliding_window_vllm_convention():
+    """W keys per query including itself: with W=2 a decode row averages its last two values."""
+    batch = make_batch([1], [9], num_q_heads=1, num_kv_heads=1, head_size=64, block_size=16)
+    batch.pop("num_rows")
+    q = batch["q"]
+    q.zero_()  # equal logits: the output is the plain mean of the visible values
+    out = nan_out(q)
+    paged_attention(out=out, **batch, sliding_window=2)
+    page = int(batch["block_table"][0, 0])
+    v = batch["value_cache"][page, 7:9, 0].float()
+    assert_close(out[0, 0].float(), v.mean(0), atol=1e-2, rtol=1e-2, what="window of 2")
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1, 1], [60, 900]), ([1, 6, 50], [3, 80, 120])])
+def test_softcap(q_lens, seq_lens):
+    batch = make_batch(q_lens, seq_lens, num_q_heads=4, num_kv_heads=1, head_size=128,
+                       block_size=32, seed=7)  # fmt: skip
+    batch["scale"] = 1.0  # large logits, so the cap changes the result
+    run_case(batch, workspace=workspace(4, 128), softcap=5.0)
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,max_splits",
+    [([1, 1], [60, 900], 4), ([1, 1], [60, 900], 1), ([1, 6, 50], [3, 80, 120], 4)],
+)
+def test_sinks(q_lens, seq_lens, max_splits):
+    """Sinks join the denominator once: in the kernel (unsplit) or in the reduction (split)."""
+    batch = make_batch(q_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=8)  # fmt: skip
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0])  # from negligible to dominant
+    ws = workspace(4, 64, max_splits) if max_splits > 1 else None
+    run_case(batch, workspace=ws, sinks=sinks)
+
+
+def test_all_options_together():
+    batch = make_batch([1, 4, 60], [700, 30, 200], num_q_heads=6, num_kv_heads=2, head_size=96,
+                       block_size=32, kv_dtype=FP8_E4M3, q_dtype=torch.float16, seed=9)  # fmt: skip
+    run_case(batch, workspace=workspace(6, 96), sliding_window=64, softcap=20.0,
+             sinks=torch.linspace(-2.0, 2.0, 6))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA-graph invariance: the launches depend on shapes only
+# ----------------------------------------------------------------------------------------------
+
+
+class LaunchRecorder:
+    """Stands in for a @triton.jit kernel: records grid and constexprs, then launches."""
+
+    def __init__(self, kernel, log: list):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.kernel.fn.__name__, tuple(grid), sorted(kwargs.items())))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def launch_log(monkeypatch):
+    log: list = []
+    for module, name in [
+        (attention_decode, "_decode_kernel"),
+        (attention_decode, "_splitkv_reduce_kernel"),
+        (attention_prefill, "_prefill_kernel"),
+    ]:
+        monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), log))
+    return log
+
+
+@pytest.mark.parametrize(
+    "q_lens,lens_a,lens_b",
+    [
+        ([1, 1, 1], [1, 30, 200], [700, 2, 64]),  # decode, split
+        ([1, 4, 40], [10, 70, 40], [300, 4, 900]),  # mixed
+    ],
+)
+def test_launches_depend_only_on_shapes(launch_log, q_lens, lens_a, lens_b):
+    """Same batch shape, different sequence lengths (and max_seq_len): identical launches,
+    both exact — what replaying one captured CUDA graph with new lengths requires."""
+    ws = workspace(4, 64, max_splits=4)
+    logs = []
+    for seed, lens in enumerate((lens_a, lens_b)):
+        batch = make_batch(q_lens, lens, num_q_heads=4, num_kv_heads=2, head_size=64,
+                           block_size=16, seed=seed)  # fmt: skip
+        run_case(batch, workspace=ws)
+        logs.append(list(launch_log))
+        launch_log.clear()
+    assert logs[0] == logs[1]
+    names = [entry[0] for entry in logs[0]]
+    assert "_splitkv_reduce_kernel" in names  # the split path was exercised
+    assert ("_prefill_kernel" in names) == (max(q_lens) > attn.DECODE_MAX_QUERY_LEN)
+
+
+def test_split_rule_follows_batch_size():
+    ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
+    splits = [
+        attn.plan_launch(num_seqs=b, num_q_heads=32, num_kv_heads=8, head_size=128,
+                         max_query_len=1, sms=132, workspace=ws).decode.num_splits
+        for b in (1, 2, 16, 32, 33, 64, 256)
+    ]  # fmt: skip
+    assert splits == [64, 33, 5, 3, 1, 1, 1]
+    assert splits == sorted(splits, reverse=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# API surface, custom op, bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_capability_constants_and_check_supported():
+    assert attn.supported_head_sizes() == SUPPORTED_HEAD_SIZES == (64, 80, 96, 128, 256)
+    assert SUPPORTED_BLOCK_SIZES == (16, 32, 64)
+    attn.check_supported(head_size=128, block_size=16, q_dtype=torch.bfloat16,
+                         kv_cache_dtype=FP8_E4M3, num_q_heads=32, num_kv_heads=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"head_size: expected one of \[64, 80, 96, 128, 256\]"):
+        attn.check_supported(head_size=112)
+    with pytest.raises(ValueError, match=r"block_size: expected one of \[16, 32, 64\], got 128"):
+        attn.check_supported(block_size=128)
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        attn.check_supported(kv_cache_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads=3"):
+        attn.check_supported(num_q_heads=8, num_kv_heads=3)
+    with pytest.raises(ValueError, match="at most 128 query heads per kv head"):
+        attn.check_supported(num_q_heads=256, num_kv_heads=1)
+
+
+def test_registered_as_custom_op_with_fake():
+    """Mutated arguments are declared (torch.compile must not reorder around the writes) and
+    the fake implementation runs on meta tensors without touching data."""
+    schema = str(torch.ops.fuselane.paged_attention.default._schema)
+    for arg in ("out", "ws_partial_out", "ws_partial_ml"):
+        assert "!)" in schema.split(arg)[0].rsplit(",", 1)[-1], f"{arg} not declared mutated"
+    batch = make_batch([1], [10], num_q_heads=2, num_kv_heads=1, head_size=64, block_size=16)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}  # fmt: skip
+        result = torch.ops.fuselane.paged_attention(
+            fake["q"], fake["key_cache"], fake["value_cache"], torch.empty_like(fake["q"]),
+            fake["cu_seqlens_q"], fake["seq_lens"], fake["block_table"], 1, 0.125, 0, 0.0,
+            None, None, None, None, None, 0, 0,
+        )  # fmt: skip
+    assert result is None
+
+
+def test_opcheck():
+    batch = make_batch([1, 20], [9, 20], num_q_heads=2, num_kv_heads=1, head_size=64, block_size=16)
+    batch.pop("num_rows")
+    ws = workspace(2, 64, max_splits=2, rows=4)
+    args = (
+        batch["q"], batch["key_cache"], batch["value_cache"], nan_out(batch["q"]),
+        batch["cu_seqlens_q"], batch["seq_lens"], batch["block_table"], batch["max_query_len"],
+        batch["scale"], 0, 0.0, None, None, None, ws.partial_out, ws.partial_ml,
+        ws.max_num_tokens, ws.max_splits,
+    )  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.fuselane.paged_attention.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+
+
+def _bad_inputs():
+    """(name, mutate(args) -> None, message regex) for every check the launcher makes."""
+    fp8 = FP8_E4M3
+
+    def set_(key, value):
+        return lambda a: a.__setitem__(key, value)
+
+    def with_(key, fn):
+        return lambda a: a.__setitem__(key, fn(a[key]))
+
+    def both(fn):  # the same change to key_cache and value_cache
+        return lambda a: a.update(key_cache=fn(a["key_cache"]), value_cache=fn(a["value_cache"]))
+
+    return [
+        ("q not a tensor", set_("q", [1.0]), "q: expected a torch.Tensor"),
+        ("q fp32", with_("q", lambda t: t.float()), r"q: expected dtype in \(float16, bfloat16\)"),
+        ("q 2-D", with_("q", lambda t: t[:, 0]), "q: expected 3 dimensions"),
+        ("q strided head dim", with_("q", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+         "q: expected stride 1 in the last dimension"),
+        ("cache dtype", with_("key_cache", lambda t: t.half()), "key_cache: expected dtype in"),
+        ("cache ndim", with_("key_cache", lambda t: t[0]), "key_cache: expected 4 dimensions"),
+        ("value shape", with_("value_cache", lambda t: t[:, :8]), "value_cache: expected shape"),
+        ("value dtype", with_("value_cache", lambda t: t.to(fp8)), "value_cache: expected dtype"),
+        ("head size mismatch", both(lambda t: t[..., :32]), "key_cache: expected head size 64"),
+        ("block size", both(lambda t: t[:, :8]),
+         r"block_size: expected one of \[16, 32, 64\], got 8"),
+        ("group", with_("q", lambda t: t[:, :3]), "num_q_heads: expected a positive multiple"),
+        ("out dtype", with_("out", lambda t: t.float()), "out: expected dtype"),
+        ("out shape", with_("out", lambda t: t[:-1]), "out: expected shape"),
+        ("cu dtype", with_("cu_seqlens_q", lambda t: t.long()), "cu_seqlens_q: expected dtype"),
+        ("cu empty", with_("cu_seqlens_q", lambda t: t[:0]),
+         r"cu_seqlens_q: expected shape \[num_seqs \+ 1\]"),
+        ("seq_lens shape", with_("seq_lens", lambda t: t[:1]), r"seq_lens: expected shape \[2\]"),
+        ("seq_lens dtype", with_("seq_lens", lambda t: t.long()), "seq_lens: expected dtype"),
+        ("block_table rows", with_("block_table", lambda t: t[:1]), "block_table: expected shape"),
+        ("block_table strided", with_("block_table", lambda t: t.t().contiguous().t()),
+         "block_table: expected stride 1"),
+        ("block_table dtype", with_("block_table", lambda t: t.long()),
+         "block_table: expected dtype"),
+        ("max_query_len", set_("max_query_len", -1), "max_query_len: expected an int >= 0"),
+        ("max_seq_len", set_("max_seq_len", 2.5), "max_seq_len: expected an int >= 0"),
+        ("scale", set_("scale", 0.0), "scale: expected a finite float > 0"),
+        ("scale nan", set_("scale", float("nan")), "scale: expected a finite float > 0"),
+        ("softcap", set_("softcap", -1.0), "softcap: expected a finite float >= 0"),
+        ("window", set_("sliding_window", 0), "sliding_window: expected None or an int >= 1"),
+        ("sinks shape", set_("sinks", torch.zeros(3)), r"sinks: expected shape \[4\]"),
+        ("sinks dtype", set_("sinks", torch.zeros(4, dtype=torch.bfloat16)),
+         "sinks: expected dtype"),
+        ("fp8 without scales", both(lambda t: t.to(fp8)), "k_scale: required for a float8_e4m3fn"),
+        ("scale shape", set_("k_scale", torch.ones(2)), "k_scale: expected one element"),
+        ("scale dtype", set_("v_scale", torch.ones(1, dtype=torch.float16)),
+         "v_scale: expected dtype"),
+        ("workspace type", set_("workspace", object()),
+         "workspace: expected an AttentionWorkspace"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,mutate,message", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
+def test_rejects_bad_input(name, mutate, message):
+    batch = make_batch([1, 5], [10, 5], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    batch.pop("num_rows")
+    args = dict(batch, out=nan_out(batch["q"]))
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args)
+
+
+def test_rejects_non_finite_window_types_and_devices():
+    batch = make_batch([1], [10], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    batch.pop("num_rows")
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(out=nan_out(batch["q"]), **batch, sliding_window=True)
+    meta = dict(batch, seq_lens=batch["seq_lens"].to("meta"))
+    with pytest.raises(ValueError, match="seq_lens: expected device cpu"):
+        paged_attention(out=nan_out(batch["q"]), **meta)
+
+
+def test_workspace_allocate_validates_and_sizes():
+    ws = AttentionWorkspace.allocate(3, 4, 80, CPU, max_splits=5)
+    assert ws.partial_out.numel() == 3 * 4 * 5 * 128 and ws.partial_ml.numel() == 3 * 4 * 5 * 2
+    assert ws.partial_out.dtype == torch.float32
+    with pytest.raises(ValueError, match="max_num_tokens: expected a positive int"):
+        AttentionWorkspace.allocate(0, 4, 64, CPU)
+    with pytest.raises(ValueError, match="head_size: expected one of"):
+        AttentionWorkspace.allocate(4, 4, 100, CPU)
+
+
+def test_empty_batch_is_a_no_op():
+    batch = make_batch([], [], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    batch.pop("num_rows")
+    out = nan_out(batch["q"])
+    paged_attention(out=out, **batch)
+    assert torch.isnan(out).all()
+
+
+def test_reference_matches_dense_sdpa():
+    """The reference itself against torch SDPA on a dense causal MHA problem (no paging)."""
+    batch = make_batch([37], [37], num_q_heads=2, num_kv_heads=2, head_size=64, block_size=16,
+                       q_dtype=torch.float16)  # fmt: skip
+    batch.pop("num_rows")
+    out = nan_out(batch["q"])
+    paged_attention_reference(out=out, **batch)
+    pages = batch["block_table"][0, :3].long()
+    k = batch["key_cache"][pages].reshape(-1, 2, 64)[:37].float()
+    v = batch["value_cache"][pages].reshape(-1, 2, 64)[:37].float()
+    q = batch["q"][:37].float()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    assert_close(out[:37], want, atol=2e-3, rtol=2e-3, what="reference vs SDPA")
