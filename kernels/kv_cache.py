@@ -21,9 +21,11 @@ Cache dtypes: the input dtype (fp16, bf16, fp32), or fp8 e4m3 with per-tensor fp
 `stored = e4m3(saturate(x * (1 / scale), +-448))`, round to nearest even: vLLM's kernel computes
 x / scale, which differs by at most one fp32 ulp before the rounding to e4m3.
 
-Launch rule (no autotuning): see `_write_launch_config` and `_rope_num_warps`; not yet measured
-on a GPU (benchmarks/kernels/bench_kv_cache.py sweeps the alternatives in its `kv_write_sweep`
-section, which is where the table gets its numbers).
+Launch rule (no autotuning): `_write_launch_config` (tokens per program and warps, from the H200
+sweep of run 1; benchmarks/kernels/bench_kv_cache.py's `kv_write_sweep` section re-measures it)
+and `_rope_num_warps`. Addressing is picked on the host from shapes and strides alone: int32
+offsets unless some offset could pass 2^31 (then int64), and slot * slot_stride where the block
+stride is block_size * slot_stride (else block and offset); see `_launch_write`.
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ _E4M3_SPACING_SHIFT = tl.constexpr(20 << 23)
 def _round_to_e4m3_grid(y):
     """Round fp32 `y` (|y| <= 448) to the nearest e4m3 value, ties to even; result still fp32.
 
-    The fp32 -> fp8 cast after this only drops zero bits, so the stored byte is the same on the
-    GPU (cvt.rn.satfinite) and in Triton's interpreter (whose own cast rounds ties up and can
-    lose the carry into the exponent). Cost: ~8 integer/float ops per element.
+    Interpreter only (see `_to_e4m3`): the fp32 -> fp8 cast after this only drops zero bits, so
+    Triton's interpreter (whose own cast rounds ties up and can lose the carry into the
+    exponent) stores the byte the GPU's cvt.rn.satfinite stores. ~8 integer/float ops/element.
     Formula: with 2^e the power of two of |y| (at least 2^-6), c = 2^(e+20) makes the last
     mantissa bit of the fp32 sum |y| + c worth 2^(e-3), e4m3's spacing at exponent e; fp32
     addition rounds to nearest even and subtracting c again is exact. The sign is copied back
@@ -77,21 +79,51 @@ def _round_to_e4m3_grid(y):
 
 
 @triton.jit
-def _quantize_e4m3(x, inv_scale):
-    """e4m3 value of saturate(x * inv_scale) as fp32; inv_scale = 1 / scale (see _inv_scale)."""
+def _to_e4m3(x, inv_scale, EMULATE: tl.constexpr):
+    """e4m3(saturate(x * inv_scale, +-448)), ties to even, as float8e4nv; inv_scale = 1 / scale.
+
+    GPU (EMULATE=False): one fp32 multiply, then the native cast, which Triton lowers to
+    cvt.rn.satfinite.e4m3x2.f32 (SASS `F2FP.SATFINITE.E4M3.F32.PACK_AB`, two elements per
+    instruction: round to nearest even, +-inf and |y| > 448 saturate to +-448, NaN stays NaN):
+    the saturation is the cast's own, so no clamp is needed. Interpreter (EMULATE=True): Triton
+    3.6's interpreter casts with ties rounded up and can lose the carry into the exponent
+    (124.3 -> 64), so y is clamped and rounded to the e4m3 grid in fp32 first.
+    """
     y = x.to(tl.float32) * inv_scale
-    y = tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.minimum(y, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return _round_to_e4m3_grid(y)
+    if EMULATE:
+        y = tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = _round_to_e4m3_grid(y)
+    return y.to(tl.float8e4nv)
 
 
 @triton.jit
-def _inv_scale(scale_ptr):
-    """1 / scale, IEEE-rounded, once per program: the per-element work is then one multiply
-    instead of a ~15-instruction IEEE division. x * (1/scale) is within one fp32 ulp of
+def _inv_scale(scale):
+    """1 / scale (fp32), IEEE-rounded, once per program: the per-element work is then one
+    multiply instead of a ~15-instruction IEEE division. x * (1/scale) is within one fp32 ulp of
     x / scale (what vLLM computes, itself with an approximate division), far below e4m3's
-    2^-4 rounding step; the reference computes the same product, so the bytes match exactly."""
-    return tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
+    2^-4 rounding step; the reference computes the same product, so the bytes match exactly.
+    The division has a slow-path subroutine call the compiler does not move loads across, so
+    every load of the program is issued before it (the scales first of all)."""
+    return tl.math.div_rn(1.0, scale.to(tl.float32))
+
+
+@triton.jit
+def _slot_offsets(
+    slot,
+    stride_block,
+    stride_slot,
+    BLOCK_SIZE: tl.constexpr,
+    FLAT_SLOTS: tl.constexpr,
+):
+    """Element offset of cache slot `slot`: block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE.
+    FLAT_SLOTS (stride_block == BLOCK_SIZE * stride_slot, vLLM's default layouts): that is
+    slot * stride_slot, one multiply on the path from the slot's arrival to the store."""
+    if FLAT_SLOTS:
+        off = slot * stride_slot
+    else:
+        off = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
+    return off
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -120,54 +152,110 @@ def _kv_cache_update_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,  # tokens per program (power of two)
     TILE: tl.constexpr,  # (head, dim) elements per program (power of two)
     FP8: tl.constexpr,
+    EMULATE_E4M3: tl.constexpr,  # interpreter: round to e4m3 in fp32 before the cast
+    OFFSETS_64: tl.constexpr,  # False: every offset fits in int32 (checked on the host)
+    FLAT_SLOTS: tl.constexpr,  # both caches have block stride == BLOCK_SIZE * slot stride
+    LOAD_EVICTION: tl.constexpr,  # eviction policy of the key/value loads ("" or "evict_first")
 ):
     """Program (r, c) copies tokens [r*ROWS, (r+1)*ROWS) x flat (head, dim) range [c*TILE, ...).
 
-    The slot, key and value loads do not depend on each other, so they are in flight together;
-    only the stores wait for the slot. Padding rows are read and not written (no branch, so no
-    second round trip to memory before the data loads).
+    Every load is independent of the others and issued first (scales, slots, key, value), so
+    they are in flight together: one memory round trip. Only the stores wait for the slot, and
+    between its arrival and the store there is one multiply (FLAT_SLOTS, int32 offsets).
+    Padding rows are read and not written (no branch, so no second round trip before the data
+    loads).
     """
+    if FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     ROW_ELEMS: tl.constexpr = NUM_KV_HEADS * HEAD_SIZE
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     row_ok = rows < num_rows
-    slot = tl.load(slot_mapping_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + rows, mask=row_ok, other=-1)
 
     # Flat index over (head, dim) of one token; D is a constexpr so // and % are a shift or a
     # multiply-high, and runs of 16 along dim stay contiguous (16-byte accesses).
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
     col_ok = cols < ROW_ELEMS
-    head = (cols // HEAD_SIZE).to(tl.int64)
+    head = cols // HEAD_SIZE
     dim = cols % HEAD_SIZE
-    rows64 = rows.to(tl.int64)
+    if OFFSETS_64:
+        rows = rows.to(tl.int64)
+        head = head.to(tl.int64)
     load_mask = row_ok[:, None] & col_ok[None, :]
-
     k = tl.load(
-        key_ptr + rows64[:, None] * stride_key_tok + (head * stride_key_head + dim)[None, :],
+        key_ptr + rows[:, None] * stride_key_tok + (head * stride_key_head + dim)[None, :],
         mask=load_mask,
         other=0.0,
+        eviction_policy=LOAD_EVICTION,
     )
     v = tl.load(
-        value_ptr + rows64[:, None] * stride_value_tok + (head * stride_value_head + dim)[None, :],
+        value_ptr + rows[:, None] * stride_value_tok + (head * stride_value_head + dim)[None, :],
         mask=load_mask,
         other=0.0,
+        eviction_policy=LOAD_EVICTION,
     )
 
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    # Padding is tested on the slot as loaded (int64 -2^32 must not become slot 0 in int32).
     store_mask = (slot >= 0)[:, None] & col_ok[None, :]
-    k_dst = (block * stride_kc_block + offset * stride_kc_slot)[:, None] + (
-        head * stride_kc_head + dim
-    )[None, :]
-    v_dst = (block * stride_vc_block + offset * stride_vc_slot)[:, None] + (
-        head * stride_vc_head + dim
-    )[None, :]
+    slot = slot.to(tl.int64) if OFFSETS_64 else slot.to(tl.int32)
+    k_dst = _slot_offsets(slot, stride_kc_block, stride_kc_slot, BLOCK_SIZE, FLAT_SLOTS)
+    v_dst = _slot_offsets(slot, stride_vc_block, stride_vc_slot, BLOCK_SIZE, FLAT_SLOTS)
+    k_dst = k_dst[:, None] + (head * stride_kc_head + dim)[None, :]
+    v_dst = v_dst[:, None] + (head * stride_vc_head + dim)[None, :]
     if FP8:
-        k_inv_scale = _inv_scale(k_scale_ptr)
-        v_inv_scale = _inv_scale(v_scale_ptr)
-        k = _quantize_e4m3(k, k_inv_scale).to(key_cache_ptr.dtype.element_ty)
-        v = _quantize_e4m3(v, v_inv_scale).to(value_cache_ptr.dtype.element_ty)
+        k = _to_e4m3(k, _inv_scale(k_scale), EMULATE_E4M3)
+        v = _to_e4m3(v, _inv_scale(v_scale), EMULATE_E4M3)
     tl.store(key_cache_ptr + k_dst, k, mask=store_mask)
     tl.store(value_cache_ptr + v_dst, v, mask=store_mask)
+
+
+@triton.jit
+def _load_pairs(
+    row,
+    h_ok,
+    H_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """The rotary pairs (x1, x2), each [H_P2, HALF_P2], of the heads at `row` ([H_P2, 1]
+    pointers to each head's dim 0): neox (i, i + HALF); gpt-j (2i, 2i + 1), loaded as one
+    contiguous run of 2 * HALF elements (16-byte accesses) and split in registers."""
+    i = tl.arange(0, HALF_P2)
+    if IS_NEOX:
+        mask = h_ok[:, None] & (i < HALF)[None, :]
+        x1 = tl.load(row + i[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + HALF + i[None, :], mask=mask, other=0.0)
+    else:
+        d = tl.arange(0, 2 * HALF_P2)
+        x = tl.load(row + d[None, :], mask=h_ok[:, None] & (d < 2 * HALF)[None, :], other=0.0)
+        x1, x2 = tl.split(tl.reshape(x, (H_P2, HALF_P2, 2)))
+    return x1, x2
+
+
+@triton.jit
+def _store_pairs(
+    row,
+    x1,
+    x2,
+    mask_h,
+    H_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """Store the pairs `_load_pairs` loads (gpt-j: interleaved in registers, one contiguous
+    store); mask_h [H_P2] selects the heads (and tokens) written."""
+    i = tl.arange(0, HALF_P2)
+    if IS_NEOX:
+        mask = mask_h[:, None] & (i < HALF)[None, :]
+        tl.store(row + i[None, :], x1, mask=mask)
+        tl.store(row + HALF + i[None, :], x2, mask=mask)
+    else:
+        d = tl.arange(0, 2 * HALF_P2)
+        x = tl.reshape(tl.join(x1, x2), (H_P2, 2 * HALF_P2))
+        tl.store(row + d[None, :], x, mask=mask_h[:, None] & (d < 2 * HALF)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -209,6 +297,9 @@ def _rope_kv_cache_update_kernel(
     HALF_ROT_P2: tl.constexpr,
     PASS_P2: tl.constexpr,  # next_power_of_2(HEAD_SIZE - ROT_DIM), 0 without a pass-through
     HEAD_SIZE_P2: tl.constexpr,
+    EMULATE_E4M3: tl.constexpr,  # interpreter: round to e4m3 in fp32 before the cast
+    OFFSETS_64: tl.constexpr,  # False: every offset fits in int32 (checked on the host)
+    FLAT_SLOTS: tl.constexpr,  # both caches have block stride == BLOCK_SIZE * slot stride
 ):
     """One program per token: rotate its q and k heads, write k and v to the cache.
 
@@ -217,44 +308,37 @@ def _rope_kv_cache_update_kernel(
     neox pairs d1 = i, d2 = i + ROT_DIM/2; gpt-j pairs d1 = 2i, d2 = 2i + 1; i < ROT_DIM/2.
     The cache receives the key exactly as written back (rounded to its dtype, then quantized
     when the cache is fp8), so the cache and `key` agree as after vLLM's rotary + cache write.
-    Every load is issued before the first store: the stores could alias the loads as far as the
-    compiler knows, so loads placed after a store would wait for it.
+    Every independent load is issued before the cos/sin load, which waits for the position
+    (two round trips in all), and every load before the first store: the stores could alias
+    the loads as far as the compiler knows, so loads placed after a store would wait for it.
     """
     HALF: tl.constexpr = ROT_DIM // 2
+    if FP8 and WRITE_CACHE:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     tok = tl.program_id(0)
-    tok64 = tok.to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-
-    i = tl.arange(0, HALF_ROT_P2)
-    i_ok = i < HALF
-    if IS_NEOX:
-        d1 = i
-        d2 = i + HALF
-    else:
-        d1 = 2 * i
-        d2 = 2 * i + 1
-
-    hq = tl.arange(0, Q_HEADS_P2).to(tl.int64)
-    q_mask = (hq < NUM_Q_HEADS)[:, None] & i_ok[None, :]
-    q_row = query_ptr + tok64 * stride_q_tok + hq[:, None] * stride_q_head
-    hk = tl.arange(0, KV_HEADS_P2).to(tl.int64)
-    hk_ok = hk < NUM_KV_HEADS
-    k_mask = hk_ok[:, None] & i_ok[None, :]
-    k_row = key_ptr + tok64 * stride_k_tok + hk[:, None] * stride_k_head
-
-    q1 = tl.load(q_row + d1[None, :], mask=q_mask, other=0.0)
-    q2 = tl.load(q_row + d2[None, :], mask=q_mask, other=0.0)
-    k1 = tl.load(k_row + d1[None, :], mask=k_mask, other=0.0)
-    k2 = tl.load(k_row + d2[None, :], mask=k_mask, other=0.0)
-    cs_row = cos_sin_ptr + pos * stride_cos_sin_pos
-    cos = tl.load(cs_row + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_row + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    pos = tl.load(positions_ptr + tok)
     if WRITE_CACHE:
-        slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1)
+    if OFFSETS_64:
+        tok = tok.to(tl.int64)
+
+    hq = tl.arange(0, Q_HEADS_P2)
+    hq_ok = hq < NUM_Q_HEADS
+    hk = tl.arange(0, KV_HEADS_P2)
+    hk_ok = hk < NUM_KV_HEADS
+    if OFFSETS_64:
+        hq = hq.to(tl.int64)
+        hk = hk.to(tl.int64)
+    q_row = query_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head
+    k_row = key_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head
+    q1, q2 = _load_pairs(q_row, hq_ok, Q_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
+    k1, k2 = _load_pairs(k_row, hk_ok, KV_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
+    if WRITE_CACHE:
         dv = tl.arange(0, HEAD_SIZE_P2)
         v_mask = hk_ok[:, None] & (dv < HEAD_SIZE)[None, :]
         v = tl.load(
-            value_ptr + tok64 * stride_v_tok + hk[:, None] * stride_v_head + dv[None, :],
+            value_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + dv[None, :],
             mask=v_mask,
             other=0.0,
         )
@@ -262,62 +346,48 @@ def _rope_kv_cache_update_kernel(
             dp = ROT_DIM + tl.arange(0, PASS_P2)
             p_mask = hk_ok[:, None] & (dp < HEAD_SIZE)[None, :]
             k_pass = tl.load(k_row + dp[None, :], mask=p_mask, other=0.0)
-        if FP8:
-            k_inv_scale = _inv_scale(k_scale_ptr)
-            v_inv_scale = _inv_scale(v_scale_ptr)
+    # ptxas would otherwise sink the key/value/slot loads below the cos/sin load (to save
+    # registers), which waits for the position: a third serial round trip. Nothing moves a
+    # load across a barrier, so they stay in flight while the position arrives.
+    tl.debug_barrier()
+    i = tl.arange(0, HALF_ROT_P2)
+    i_ok = i < HALF
+    pos = pos.to(tl.int64) if OFFSETS_64 else pos.to(tl.int32)
+    cs_row = cos_sin_ptr + pos * stride_cos_sin_pos
+    cos = tl.load(cs_row + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
 
     q1f = q1.to(tl.float32)
     q2f = q2.to(tl.float32)
     k1f = k1.to(tl.float32)
     k2f = k2.to(tl.float32)
     dtype = q1.dtype
-    tl.store(q_row + d1[None, :], (q1f * cos - q2f * sin).to(dtype), mask=q_mask)
-    tl.store(q_row + d2[None, :], (q2f * cos + q1f * sin).to(dtype), mask=q_mask)
+    q1r = (q1f * cos - q2f * sin).to(dtype)
+    q2r = (q2f * cos + q1f * sin).to(dtype)
     k1r = (k1f * cos - k2f * sin).to(dtype)
     k2r = (k2f * cos + k1f * sin).to(dtype)
-    tl.store(k_row + d1[None, :], k1r, mask=k_mask)
-    tl.store(k_row + d2[None, :], k2r, mask=k_mask)
+    _store_pairs(q_row, q1r, q2r, hq_ok, Q_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
+    _store_pairs(k_row, k1r, k2r, hk_ok, KV_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
 
     if WRITE_CACHE:
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
         ok = slot >= 0
-        kc_row = (
-            key_cache_ptr
-            + block * stride_kc_block
-            + offset * stride_kc_slot
-            + hk[:, None] * stride_kc_head
-        )
-        vc_row = (
-            value_cache_ptr
-            + block * stride_vc_block
-            + offset * stride_vc_slot
-            + hk[:, None] * stride_vc_head
-        )
+        slot = slot.to(tl.int64) if OFFSETS_64 else slot.to(tl.int32)
+        kc_off = _slot_offsets(slot, stride_kc_block, stride_kc_slot, BLOCK_SIZE, FLAT_SLOTS)
+        vc_off = _slot_offsets(slot, stride_vc_block, stride_vc_slot, BLOCK_SIZE, FLAT_SLOTS)
+        kc_row = key_cache_ptr + kc_off + hk[:, None] * stride_kc_head
+        vc_row = value_cache_ptr + vc_off + hk[:, None] * stride_vc_head
         if FP8:
-            cache_ty = key_cache_ptr.dtype.element_ty
-            tl.store(
-                kc_row + d1[None, :],
-                _quantize_e4m3(k1r, k_inv_scale).to(cache_ty),
-                mask=k_mask & ok,
-            )
-            tl.store(
-                kc_row + d2[None, :],
-                _quantize_e4m3(k2r, k_inv_scale).to(cache_ty),
-                mask=k_mask & ok,
-            )
+            k_inv_scale = _inv_scale(k_scale)
+            v_inv_scale = _inv_scale(v_scale)
+            k1r = _to_e4m3(k1r, k_inv_scale, EMULATE_E4M3)
+            k2r = _to_e4m3(k2r, k_inv_scale, EMULATE_E4M3)
+            v = _to_e4m3(v, v_inv_scale, EMULATE_E4M3)
             if PASS_P2 > 0:
-                k_pass_q = _quantize_e4m3(k_pass, k_inv_scale).to(cache_ty)
-                tl.store(kc_row + dp[None, :], k_pass_q, mask=p_mask & ok)
-            tl.store(
-                vc_row + dv[None, :], _quantize_e4m3(v, v_inv_scale).to(cache_ty), mask=v_mask & ok
-            )
-        else:
-            tl.store(kc_row + d1[None, :], k1r, mask=k_mask & ok)
-            tl.store(kc_row + d2[None, :], k2r, mask=k_mask & ok)
-            if PASS_P2 > 0:
-                tl.store(kc_row + dp[None, :], k_pass, mask=p_mask & ok)
-            tl.store(vc_row + dv[None, :], v, mask=v_mask & ok)
+                k_pass = _to_e4m3(k_pass, k_inv_scale, EMULATE_E4M3)
+        _store_pairs(kc_row, k1r, k2r, hk_ok & ok, KV_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
+        if PASS_P2 > 0:
+            tl.store(kc_row + dp[None, :], k_pass, mask=p_mask & ok)
+        tl.store(vc_row + dv[None, :], v, mask=v_mask & ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,22 +395,30 @@ def _rope_kv_cache_update_kernel(
 # ----------------------------------------------------------------------------------------------
 
 # Tokens per program for the plain write, keyed by the number of rows N (first bound >= N wins).
-# Small N is launch-bound: one token per program keeps each program's latency minimal and uses
-# every SM; large N is bandwidth-bound: several tokens per program amortize the per-program
-# index math and scheduling. Not yet measured on GPU (the bench's kv_write_sweep section times
-# 1/2/4/8/16 tokens per program x 2/4/8 warps at 1..32768 tokens on Hkv=8, D=128, bf16).
+# Measured on an H200 (fuselane run 1, 2026-11-21; bench_kv_cache.py's kv_write_sweep: CUDA-graph
+# replay, median of 50 replays of 20 calls; Hkv=8, D=128, page 16, bf16; .notes/kv_cache.md):
+#   1 token      1 or 2 tokens/program at 2-8 warps: 1.38-1.57 us, the rule's setting 1.33 us and
+#                1.42 us in two sections of the same run (noise ~0.09 us) -> 1 token, 4 warps
+#   256 tokens   1-4 tokens/program 1.82-1.96 us; 8 or 16: 2.26-3.23 us -> 1
+#   4096 tokens  8 tokens x 8 warps 5.78 us best (2 x 4, the old rule, 5.87; 16 x 8 5.82) -> 8
+#   32768 tokens every setting 68.3-71.4 us, within noise; 8 x 8 69.0 -> 8
+# Between 512 and 4096 nothing was measured yet; the sweep now also times 1024 and 2048 tokens.
 _WRITE_ROWS_PER_PROGRAM: tuple[tuple[int, int], ...] = (
     (512, 1),
-    (4096, 2),
-    (16384, 4),
+    (2048, 2),
     (1 << 62, 8),
 )
 # Elements of K (and as many of V) one program moves per tensor: bounds the registers (8192 bf16
 # elements over 256 threads is 32 per thread per tensor) for large Hkv * D.
 _WRITE_MAX_TILE_ELEMS = 8192
 # Warps: one 16-byte access per thread per tensor per row needs ROWS * TILE / 8 threads; 4 warps
-# cover a 1024-element tile (Hkv=8, D=128), 8 warps anything larger.
+# cover a 2048-element program (e.g. 2 tokens of Hkv=8, D=128), 8 warps anything larger (the
+# measured best at 4096 tokens, 8 tokens x 8 warps).
 _WRITE_WARPS_SMALL, _WRITE_WARPS_LARGE, _WRITE_WARPS_THRESHOLD = 4, 8, 2048
+# Key/value loads: read once, so they may be evicted first; cache stores keep the default policy
+# (the attention kernel reads the new rows right after). "" = default. Unmeasured: the sweep
+# times both at every size.
+_WRITE_LOAD_EVICTION = ""
 
 
 def _write_launch_config(
@@ -505,6 +583,33 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
+_INT32_MAX = 2**31 - 1
+
+
+def _offset_bound(t: torch.Tensor, rows: int | None = None) -> int:
+    """An upper bound of |element offset| the kernels form from t's first element: `rows` rows
+    along dim 0 (default t's own), every other dim padded to twice its size (the power-of-two
+    tiles' masked lanes: next_power_of_2(n) < 2n). Valid slots and positions are the caller's
+    contract (< num_blocks * block_size, < max_position), so they stay inside these bounds."""
+    n0 = t.shape[0] if rows is None else max(rows, t.shape[0])
+    bound = max(n0 - 1, 0) * abs(t.stride(0))
+    inner = zip(t.shape[1:], t.stride()[1:], strict=True)
+    return bound + sum((2 * n - 1) * abs(st) for n, st in inner)
+
+
+def _needs_int64(*bounds: int) -> bool:
+    """True unless every offset bound fits in int32 (then the kernels compute offsets in int32:
+    ~40% fewer instructions in the write kernel, and one multiply from slot to store)."""
+    return max(bounds) > _INT32_MAX
+
+
+def _flat_slots(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Block stride == block_size * slot stride in both caches (vLLM's default NHD layouts, not
+    HND or cross-layer ones): slot * slot_stride addresses the slot without a division."""
+    return all(
+        c.shape[0] <= 1 or c.stride(0) == c.shape[1] * c.stride(1) for c in (key_cache, value_cache)
+    )
+
 
 def _launch_write(
     key: torch.Tensor,
@@ -518,9 +623,16 @@ def _launch_write(
     *,
     rows_per_program: int | None = None,
     num_warps: int | None = None,
+    offsets_64: bool = False,
+    flat_slots: bool = True,
+    load_eviction: str | None = None,
+    emulate_e4m3: bool | None = None,
 ) -> None:
-    """Launch the write on validated arguments. `rows_per_program`/`num_warps` override the rule
-    (the benchmark's sweep uses them); the serving path never passes them."""
+    """Launch the write on validated arguments. The keyword arguments override the rule (the
+    benchmark's sweep and the tests use them; the serving path never passes them):
+    `offsets_64=True` / `flat_slots=False` force the general int64 / block-and-offset
+    addressing where the rule would pick the short one (never the reverse);
+    `emulate_e4m3=True` rounds to e4m3 in fp32 on the GPU too (to time what it costs)."""
     num_rows = slot_mapping.shape[0]
     if num_rows == 0:
         return
@@ -528,6 +640,13 @@ def _launch_write(
     row_elems = num_kv_heads * head_size
     rows, tile, warps = _write_launch_config(num_rows, row_elems, rows_per_program)
     grid = (triton.cdiv(num_rows, rows), triton.cdiv(row_elems, tile))
+    rows_touched = grid[0] * rows  # masked rows past N still form addresses
+    offsets_64 = offsets_64 or _needs_int64(
+        _offset_bound(key, rows_touched),
+        _offset_bound(value, rows_touched),
+        _offset_bound(key_cache),
+        _offset_bound(value_cache),
+    )
     # Without fp8 the scale pointers are never read; pass any tensor so the signature is fixed.
     k_scale_arg = k_scale if fp8 else slot_mapping
     v_scale_arg = v_scale if fp8 else slot_mapping
@@ -552,6 +671,10 @@ def _launch_write(
         ROWS_PER_PROGRAM=rows,
         TILE=tile,
         FP8=fp8,
+        EMULATE_E4M3=fp8 and (_interpreting() if emulate_e4m3 is None else emulate_e4m3),
+        OFFSETS_64=offsets_64,
+        FLAT_SLOTS=flat_slots and _flat_slots(key_cache, value_cache),
+        LOAD_EVICTION=_WRITE_LOAD_EVICTION if load_eviction is None else load_eviction,
         num_warps=num_warps or warps,
     )
 
@@ -571,9 +694,11 @@ def _launch_rope(
     fp8: bool,
     *,
     write_cache: bool = True,
+    offsets_64: bool = False,
+    flat_slots: bool = True,
 ) -> None:
     """Launch the fused rotary + write on validated arguments (write_cache=False: rotary only,
-    the benchmark's separate-kernel baseline)."""
+    the benchmark's separate-kernel baseline; offsets_64 / flat_slots as for `_launch_write`)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -582,6 +707,9 @@ def _launch_rope(
     pass_dims = head_size - rot_dim
     q_heads_p2 = triton.next_power_of_2(num_q_heads)
     half_rot_p2 = triton.next_power_of_2(rot_dim // 2)
+    offsets_64 = offsets_64 or _needs_int64(
+        *(_offset_bound(t) for t in (query, key, value, cos_sin_cache, key_cache, value_cache))
+    )
     k_scale_arg = k_scale if fp8 else slot_mapping
     v_scale_arg = v_scale if fp8 else slot_mapping
     _rope_kv_cache_update_kernel[(num_tokens,)](
@@ -618,6 +746,9 @@ def _launch_rope(
         HALF_ROT_P2=half_rot_p2,
         PASS_P2=triton.next_power_of_2(pass_dims) if pass_dims > 0 else 0,
         HEAD_SIZE_P2=triton.next_power_of_2(head_size),
+        EMULATE_E4M3=fp8 and _interpreting(),
+        OFFSETS_64=offsets_64,
+        FLAT_SLOTS=flat_slots and _flat_slots(key_cache, value_cache),
         num_warps=_rope_num_warps(q_heads_p2, half_rot_p2),
     )
 

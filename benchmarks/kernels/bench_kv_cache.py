@@ -4,17 +4,27 @@ On the GPU machine, from the project root:
     source .peers/setup_device.sh
     python3 benchmarks/kernels/bench_kv_cache.py --out $OUT
 
-Order of work, all in one process on one device:
-  1. ceilings: copy bandwidth (1 GiB device-to-device) and an empty Triton kernel's replay time;
+Order of work, all in one process on one device (~2 minutes on an H200):
+  1. ceilings: copy bandwidth (1 GiB device-to-device, timed eagerly) and an empty Triton
+     kernel's replay time;
   2. check: fuselane against its torch reference on fresh random inputs over several shapes
-     (PASS/FAIL lines); a section whose check fails is not timed for fuselane;
-  3. kv_write (bf16) and kv_write_fp8 at 1..32768 tokens, rope_kv_write at 1..8192 tokens:
-     each case first verifies fuselane's cache against the reference on the timed inputs (and
-     each peer's cache against fuselane's, reported in the notes), then times fuselane and
-     every peer by CUDA-graph replay (`harness.time_graph`);
-  4. kv_write_sweep: the write at other (tokens per program, warps) settings than the launch
-     rule picks, to fill the rule's table in kernels/kv_cache.py;
-  5. GOAL lines (issue 2's targets), then the table; JSON to --out and benchmarks/results/.
+     (PASS/FAIL lines), including forced int64 / block-and-offset addressing and one cache of
+     more than 2^31 elements (the launcher must fall back to int64 offsets by itself); a
+     section whose check fails is not timed for fuselane;
+  3. kv_write (bf16) and kv_write_fp8 at 1..32768 tokens, rope_kv_write (neox at 1..8192
+     tokens, gpt-j at 1 and 8192): each case first verifies fuselane's cache against the
+     reference on the timed inputs (and each peer's cache against fuselane's, reported in the
+     notes), then times fuselane and every peer by CUDA-graph replay (`harness.time_graph`),
+     ROUNDS times in interleaved order, reporting the median round (and every round's time);
+  4. floor: what any implementation of the write must spend at the same sizes, next to
+     fuselane: an empty kernel, and a Triton copy of the same key/value bytes to a contiguous
+     buffer with no slot lookup (same launch shape as fuselane's rule);
+  5. sweeps: kv_write_sweep times the write at other (tokens per program, warps) settings than
+     the launch rule picks, and the rule's setting with int64 block-and-offset addressing
+     (`[addr64]`) and with evict-first key/value loads (`[evict_first]`); kv_write_fp8_sweep
+     times the fp8 write with the interpreter's exact rounding emulation (`[emulated]`) and
+     with int64 addressing, to fill the tables in kernels/kv_cache.py;
+  6. GOAL lines (issue 2's targets), then the table; JSON to --out and benchmarks/results/.
 
 Workload (Llama-3-8B attention shapes, as ../shared/anchors): Hkv=8, D=128, page 16, bf16;
 key/value are strided views of a fused QKV output (Hq=32); the cache is vLLM's TRITON_ATTN
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -36,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -49,10 +62,13 @@ except ImportError:  # a bare checkout (the GPU machine): the root folders are p
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 TOKENS = (1, 16, 256, 4096, 32768)
-ROPE_TOKENS = (1, 64, 1024, 8192)
-SWEEP_TOKENS = (1, 256, 4096, 32768)
+ROPE_TOKENS = (1, 64, 1024, 8192)  # neox
+ROPE_GPTJ_TOKENS = (1, 8192)
+SWEEP_TOKENS = (1, 256, 1024, 2048, 4096, 32768)
 SWEEP_ROWS = (1, 2, 4, 8, 16)
 SWEEP_WARPS = (2, 4, 8)
+FP8_SWEEP_TOKENS = (1, 256, 4096, 32768)
+ROUNDS = 3  # each case's impls are timed this many times, interleaved; the median round counts
 DECODE_MAX_TOKENS = 256  # up to this many tokens: one token per request
 PREFILL_CHUNK = 2048
 DECODE_MAX_CONTEXT = 512
@@ -77,8 +93,8 @@ def case_name(tokens: int) -> str:
     return f"tokens={tokens} Hkv={HKV} D={D} page={PAGE}"
 
 
-def rope_case_name(tokens: int) -> str:
-    return f"tokens={tokens} Hq={HQ} Hkv={HKV} D={D} page={PAGE} neox"
+def rope_case_name(tokens: int, neox: bool = True) -> str:
+    return f"tokens={tokens} Hq={HQ} Hkv={HKV} D={D} page={PAGE} {'neox' if neox else 'gptj'}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,26 +245,52 @@ class Runner:
         self.peers = Peers(report)
 
     def time(
-        self, section: str, case: str, impl: str, fn: Callable[[], object], nbytes: int
+        self,
+        section: str,
+        case: str,
+        impls: list[tuple[str, Callable[[], object]]],
+        nbytes: int,
+        rounds: int = ROUNDS,
     ) -> None:
-        try:
-            ms = harness.time_graph(fn)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-            self.peers.note(f"{section} {case} {impl}: timing failed: {e!r}")
-            torch.cuda.synchronize()
-            return
-        us = ms * 1e3
-        self.report.add(
-            harness.Row(
-                section,
-                case,
-                impl,
-                ms,
-                nbytes=nbytes,
-                extra={"gap_to_empty_us": round(us - self.empty_us, 3)},
+        """Time every impl `rounds` times, interleaved (impl 1, 2, ..., then again), so a drift
+        of clocks or memory state hits all of them alike; one row per impl: the median round,
+        with every round's time and the spread in the row's extra fields."""
+        times: dict[str, list[float]] = {name: [] for name, _ in impls}
+        for _ in range(rounds):
+            for impl, fn in impls:
+                if impl not in times:  # failed in an earlier round
+                    continue
+                try:
+                    times[impl].append(harness.time_graph(fn))
+                except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported
+                    self.peers.note(f"{section} {case} {impl}: timing failed: {e!r}")
+                    torch.cuda.synchronize()
+                    del times[impl]
+        for impl, _ in impls:
+            if impl not in times:
+                continue
+            ms = statistics.median(times[impl])
+            us = ms * 1e3
+            rounds_us = [round(t * 1e3, 3) for t in times[impl]]
+            self.report.add(
+                harness.Row(
+                    section,
+                    case,
+                    impl,
+                    ms,
+                    nbytes=nbytes,
+                    extra={
+                        "gap_to_empty_us": round(us - self.empty_us, 3),
+                        "rounds_us": rounds_us,
+                        "spread_us": round(max(rounds_us) - min(rounds_us), 3),
+                    },
+                )
             )
-        )
-        print(f"  {section:<15} {case:<42} {impl:<44} {us:9.3f} us", flush=True)
+            print(
+                f"  {section:<18} {case:<42} {impl:<44} {us:9.3f} us  "
+                f"(rounds {', '.join(f'{t:.3f}' for t in rounds_us)})",
+                flush=True,
+            )
 
 
 def try_run(peers: Peers, label: str, fn: Callable[[], object]) -> bool:
@@ -267,32 +309,43 @@ def try_run(peers: Peers, label: str, fn: Callable[[], object]) -> bool:
 # 2. GPU check against the reference
 # ----------------------------------------------------------------------------------------------
 
+# addressing: "auto" = the launcher's own choice (int32 offsets on all these shapes, slot *
+# slot_stride where the layout allows); "64" = int64 block-and-offset addressing forced;
+# "big" = a cache of more than 2^31 elements (4.3 GB), where the launcher must pick int64 itself.
 WRITE_CHECKS = [
-    # (tokens, Hkv, D, page, input dtype, cache dtype, slot dtype, cache layout)
-    (1, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd"),
-    (257, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int32, "nhd"),
-    (4099, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd"),
-    (20000, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd"),
-    (333, 3, 80, 32, torch.float16, torch.float16, torch.int64, "hnd"),
-    (77, 1, 256, 64, torch.float32, torch.float32, torch.int32, "nhd"),
-    (37, 64, 256, 16, torch.bfloat16, torch.bfloat16, torch.int64, "hnd"),
-    (1000, 8, 96, 16, torch.bfloat16, FP8, torch.int64, "nhd"),
-    (9000, 4, 64, 32, torch.float16, FP8, torch.int32, "hnd"),
-    (513, 8, 128, 16, torch.float32, FP8, torch.int64, "nhd"),
+    # (tokens, Hkv, D, page, input dtype, cache dtype, slot dtype, cache layout, addressing)
+    (1, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd", "auto"),
+    (257, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int32, "nhd", "auto"),
+    (4099, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd", "auto"),
+    (20000, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd", "auto"),
+    (20000, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd", "64"),
+    (333, 3, 80, 32, torch.float16, torch.float16, torch.int64, "hnd", "auto"),
+    (77, 1, 256, 64, torch.float32, torch.float32, torch.int32, "nhd", "auto"),
+    (37, 64, 256, 16, torch.bfloat16, torch.bfloat16, torch.int64, "hnd", "auto"),
+    (37, 64, 256, 16, torch.bfloat16, torch.bfloat16, torch.int64, "hnd", "64"),
+    (1000, 8, 96, 16, torch.bfloat16, FP8, torch.int64, "nhd", "auto"),
+    (9000, 4, 64, 32, torch.float16, FP8, torch.int32, "hnd", "auto"),
+    (513, 8, 128, 16, torch.float32, FP8, torch.int64, "nhd", "auto"),
+    (513, 8, 128, 16, torch.bfloat16, FP8, torch.int64, "nhd", "64"),
+    (3000, 8, 128, 16, torch.bfloat16, torch.bfloat16, torch.int64, "nhd", "big"),
 ]
+BIG_CACHE_PAGES = (1 << 31) // (16 * 8 * 2 * 128) + 64  # > 2^31 elements in [pages, 16, 8, 256]
 ROPE_CHECKS = [
-    # (tokens, Hq, Hkv, D, rot_dim, neox, dtype, cos_sin dtype, cache dtype)
-    (1, 32, 8, 128, 128, True, torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    (1000, 32, 8, 128, 128, True, torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    (333, 12, 2, 64, 32, False, torch.float16, torch.float32, torch.float16),
-    (100, 8, 8, 256, 64, True, torch.bfloat16, torch.float32, FP8),
-    (77, 5, 1, 80, 80, False, torch.float32, torch.bfloat16, torch.float32),
+    # (tokens, Hq, Hkv, D, rot_dim, neox, dtype, cos_sin dtype, cache dtype, addressing)
+    (1, 32, 8, 128, 128, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, "auto"),
+    (1000, 32, 8, 128, 128, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, "auto"),
+    (1000, 32, 8, 128, 128, False, torch.bfloat16, torch.bfloat16, torch.bfloat16, "auto"),
+    (1000, 32, 8, 128, 128, False, torch.bfloat16, torch.bfloat16, torch.bfloat16, "64"),
+    (333, 12, 2, 64, 32, False, torch.float16, torch.float32, torch.float16, "auto"),
+    (100, 8, 8, 256, 64, True, torch.bfloat16, torch.float32, FP8, "auto"),
+    (100, 8, 8, 256, 64, False, torch.bfloat16, torch.float32, FP8, "64"),
+    (77, 5, 1, 80, 80, False, torch.float32, torch.bfloat16, torch.float32, "auto"),
 ]
 
 
 def check_write(case, gen: torch.Generator) -> tuple[bool, str]:
-    tokens, heads, head_size, page, dtype, cache_dtype, slot_dtype, layout = case
-    num_pages = tokens // page + 3
+    tokens, heads, head_size, page, dtype, cache_dtype, slot_dtype, layout, addr = case
+    num_pages = BIG_CACHE_PAGES if addr == "big" else tokens // page + 3
     k = torch.randn(tokens, heads + 1, head_size, generator=gen).to(DEVICE, dtype)[:, 1:]
     v = torch.randn(tokens, heads, head_size, generator=gen).to(DEVICE, dtype) * 2
     shape = (num_pages, page, heads, 2 * head_size)
@@ -307,19 +360,38 @@ def check_write(case, gen: torch.Generator) -> tuple[bool, str]:
 
     slots = torch.randperm(num_pages * page, generator=gen)[:tokens]
     slots[3::7] = -1
+    if addr == "big":
+        slots[0] = num_pages * page - 1  # the very last slot: element offset > 2^31
+    if slot_dtype == torch.int64 and tokens > 5:
+        slots[5] = -(1 << 32)  # padding whose low 32 bits are 0: must not become slot 0
     slots = slots.to(DEVICE, slot_dtype)
     scales = ()
     if cache_dtype == FP8:
         scales = (torch.tensor([K_SCALE], device=DEVICE), torch.tensor([V_SCALE], device=DEVICE))
     kvc.kv_cache_update_reference(k, v, *views(want), slots, *scales)
-    kvc.kv_cache_update(k, v, *views(base), slots, *scales)
+    kc, vc = views(base)
+    offsets_64 = kvc._needs_int64(*(kvc._offset_bound(t) for t in (k, v, kc, vc)))
+    flat = kvc._flat_slots(kc, vc)
+    if addr == "64":
+        kv_scales = scales or (None, None)
+        fp8 = kvc._check_write_args(k, v, kc, vc, slots, *kv_scales)
+        kvc._launch_write(k, v, kc, vc, slots, *kv_scales, fp8, offsets_64=True, flat_slots=False)
+        offsets_64, flat = True, False
+    else:
+        kvc.kv_cache_update(k, v, kc, vc, slots, *scales)
     torch.cuda.synchronize()
     bad = mismatches(base, want)
-    return bad == 0, f"{bad} of {base.numel()} cache elements differ bitwise"
+    ok = bad == 0 and (addr != "big" or offsets_64)
+    del base, want
+    return ok, (
+        f"{bad} of {num_pages * page * heads * 2 * head_size} cache elements differ bitwise "
+        f"({'int64' if offsets_64 else 'int32'} offsets, "
+        f"{'slot * stride' if flat else 'block/offset'} addressing)"
+    )
 
 
 def check_rope(case, gen: torch.Generator) -> tuple[bool, str]:
-    tokens, hq, heads, head_size, rot_dim, neox, dtype, cs_dtype, cache_dtype = case
+    tokens, hq, heads, head_size, rot_dim, neox, dtype, cs_dtype, cache_dtype, addr = case
     page = 16
     num_pages = tokens // page + 3
     qkv = torch.randn(tokens, (hq + 2 * heads) * head_size, generator=gen).to(DEVICE, dtype)
@@ -340,7 +412,13 @@ def check_rope(case, gen: torch.Generator) -> tuple[bool, str]:
     base, kc, vc = make_cache(num_pages, cache_dtype, page, heads, head_size)
     want_q = kvc.rotary_reference(positions, q, cs, neox)
     want_k = kvc.rotary_reference(positions, k, cs, neox)
-    kvc.rope_kv_cache_update(positions, q, k, v, cs, neox, kc, vc, slots, *scales)
+    if addr == "64":
+        kv_scales = scales or (None, None)
+        fp8 = kvc._check_write_args(k, v, kc, vc, slots, *kv_scales)
+        kvc._launch_rope(positions, q, k, v, cs, neox, kc, vc, slots, *kv_scales, fp8,
+                         offsets_64=True, flat_slots=False)  # fmt: skip
+    else:
+        kvc.rope_kv_cache_update(positions, q, k, v, cs, neox, kc, vc, slots, *scales)
     torch.cuda.synchronize()
     atol, rtol = ROTARY_TOL[dtype]
     err = max(
@@ -471,6 +549,7 @@ def bench_write(
             "(it needs fp8 inputs), not timed"
         )
 
+    timed = []
     for impl, fn in impls:
         if impl != "fuselane":
             poison(base)
@@ -487,11 +566,14 @@ def bench_write(
                     f"reference ({poison_diff} poisoned/written mismatches, max abs diff "
                     f"{max_diff:.3g} elsewhere)"
                 )
-        run.time(section, case, impl, fn, nbytes)
+        timed.append((impl, fn))
+    run.time(section, case, timed, nbytes)
 
 
-def bench_rope(run: Runner, tokens: int, fuselane_ok: bool, gen: torch.Generator) -> None:
-    section, case = "rope_kv_write", rope_case_name(tokens)
+def bench_rope(
+    run: Runner, tokens: int, fuselane_ok: bool, gen: torch.Generator, neox: bool = True
+) -> None:
+    section, case = "rope_kv_write", rope_case_name(tokens, neox)
     peers = run.peers
     batch = make_batch(tokens, gen)
     q, k, v = make_qkv(tokens, gen)  # rotated in place, call after call (norms are kept)
@@ -501,17 +583,17 @@ def bench_rope(run: Runner, tokens: int, fuselane_ok: bool, gen: torch.Generator
     nbytes = rope_bytes(tokens, 2)
 
     def fused():
-        kvc.rope_kv_cache_update(pos, q, k, v, cs, True, kc, vc, slots)
+        kvc.rope_kv_cache_update(pos, q, k, v, cs, neox, kc, vc, slots)
 
     def fuselane_rotary_then_write():
         kvc._launch_rope(
-            pos, q, k, v, cs, True, kc, vc, slots, None, None, False, write_cache=False
+            pos, q, k, v, cs, neox, kc, vc, slots, None, None, False, write_cache=False
         )
         kvc.kv_cache_update(k, v, kc, vc, slots)
 
     def torch_rotary():
-        q.copy_(kvc.rotary_reference(pos, q, cs, True))
-        k.copy_(kvc.rotary_reference(pos, k, cs, True))
+        q.copy_(kvc.rotary_reference(pos, q, cs, neox))
+        k.copy_(kvc.rotary_reference(pos, k, cs, neox))
 
     def torch_rotary_then_write():
         torch_rotary()
@@ -521,8 +603,8 @@ def bench_rope(run: Runner, tokens: int, fuselane_ok: bool, gen: torch.Generator
     if fuselane_ok:
         # fused on these inputs: q/k within rounding of the reference, and the cache exactly
         # what the reference write makes of the key it wrote back
-        want_q = kvc.rotary_reference(pos, q, cs, True)
-        want_k = kvc.rotary_reference(pos, k, cs, True)
+        want_q = kvc.rotary_reference(pos, q, cs, neox)
+        want_k = kvc.rotary_reference(pos, k, cs, neox)
         poison(base)
         fused()
         want, kw, vw = make_cache(batch.num_pages, torch.bfloat16)
@@ -551,10 +633,83 @@ def bench_rope(run: Runner, tokens: int, fuselane_ok: bool, gen: torch.Generator
             peers.vllm_write(k, v, kc, vc, slots, "auto", one, one)
 
         impls.append(("torch-rotary+vllm-reshape_and_cache_flash", torch_rotary_then_vllm))
-    for impl, fn in impls:
-        if impl.startswith("torch") and not try_run(peers, f"{section} {case} {impl}", fn):
-            continue
-        run.time(section, case, impl, fn, nbytes)
+    timed = [
+        (impl, fn)
+        for impl, fn in impls
+        if not impl.startswith("torch") or try_run(peers, f"{section} {case} {impl}", fn)
+    ]
+    run.time(section, case, timed, nbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Floor: what any implementation of the write spends at the same size
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+@triton.jit
+def _copy_rows_kernel(
+    k_ptr,  # [T, ROW_ELEMS] rows of key (row stride stride_src)
+    v_ptr,  # [T, ROW_ELEMS] rows of value (same stride)
+    dst_ptr,  # [T, 2 * ROW_ELEMS] contiguous: key row, then value row
+    num_rows,
+    stride_src,
+    ROW_ELEMS: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """fuselane's write without the slot: the same loads, stores to row r of a contiguous
+    buffer. Its time is the floor of any kernel that reads the rows and writes them once."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = (rows < num_rows)[:, None] & (cols < ROW_ELEMS)[None, :]
+    src = rows[:, None] * stride_src + cols[None, :]
+    k = tl.load(k_ptr + src, mask=mask)
+    v = tl.load(v_ptr + src, mask=mask)
+    dst = rows[:, None] * (2 * ROW_ELEMS) + cols[None, :]
+    tl.store(dst_ptr + dst, k, mask=mask)
+    tl.store(dst_ptr + ROW_ELEMS + dst, v, mask=mask)
+
+
+def bench_floor(run: Runner, tokens: int, gen: torch.Generator) -> None:
+    section, case = "floor", case_name(tokens)
+    batch = make_batch(tokens, gen)
+    _, k, v = make_qkv(tokens, gen)
+    _, kc, vc = make_cache(batch.num_pages, torch.bfloat16)
+    slots = batch.slot_mapping
+    dst = torch.empty(tokens, 2 * HKV * D, dtype=torch.bfloat16, device=DEVICE)
+    rows, tile, warps = kvc._write_launch_config(tokens, HKV * D)
+    grid = (triton.cdiv(tokens, rows), triton.cdiv(HKV * D, tile))
+    empty_x = torch.empty(1, device=DEVICE)
+
+    def copy_no_slot():
+        _copy_rows_kernel[grid](
+            k, v, dst, tokens, k.stride(0), ROW_ELEMS=HKV * D, ROWS=rows, TILE=tile,
+            num_warps=warps,
+        )  # fmt: skip
+
+    copy_no_slot()
+    exact = torch.equal(dst[:, : HKV * D], k.flatten(1)) and torch.equal(
+        dst[:, HKV * D :], v.flatten(1)
+    )
+    impls = [
+        ("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots)),
+        ("empty-kernel", lambda: _empty_kernel[(1,)](empty_x)),
+    ]
+    if exact:
+        impls.append(("triton-copy-no-slot", copy_no_slot))
+    else:
+        run.peers.note(f"{section} {case}: triton-copy-no-slot copied wrong bytes, not timed")
+    run.time(section, case, impls, write_bytes(tokens, 2, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Sweeps
+# ----------------------------------------------------------------------------------------------
 
 
 def bench_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
@@ -567,31 +722,64 @@ def bench_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
     kvc.kv_cache_update_reference(k, v, kw, vw, slots)
     nbytes = write_bytes(tokens, 2, 2)
     rule = kvc._write_launch_config(tokens, HKV * D)
-    run.time(section, case, "fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots), nbytes)
+
+    def launcher(**kw):
+        return lambda: kvc._launch_write(k, v, kc, vc, slots, None, None, False, **kw)
+
+    impls = [("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots))]
     for rows in SWEEP_ROWS:
         for warps in SWEEP_WARPS:
-            if (rows, warps) == (rule[0], rule[2]):
-                continue
-
-            def fn(rows=rows, warps=warps):
-                kvc._launch_write(
-                    k, v, kc, vc, slots, None, None, False, rows_per_program=rows, num_warps=warps
-                )
-
-            poison(base)
-            if not try_run(run.peers, f"{section} {case} rows={rows} warps={warps}", fn):
-                continue
-            if mismatches(base, want):
-                run.peers.note(
-                    f"{section} {case} rows={rows} warps={warps}: wrong result, not timed"
-                )
-                continue
-            run.time(section, case, f"fuselane[rows={rows},warps={warps}]", fn, nbytes)
+            if (rows, warps) != (rule[0], rule[2]):
+                name = f"fuselane[rows={rows},warps={warps}]"
+                impls.append((name, launcher(rows_per_program=rows, num_warps=warps)))
+    impls.append(("fuselane[addr64]", launcher(offsets_64=True, flat_slots=False)))
+    impls.append(("fuselane[evict_first]", launcher(load_eviction="evict_first")))
+    timed = []
+    for name, fn in impls:
+        poison(base)
+        if not try_run(run.peers, f"{section} {case} {name}", fn):
+            continue
+        if mismatches(base, want):
+            run.peers.note(f"{section} {case} {name}: wrong result, not timed")
+            continue
+        timed.append((name, fn))
+    run.time(section, case, timed, nbytes)
     print(f"  (rule at {tokens} tokens: rows={rule[0]} tile={rule[1]} warps={rule[2]})", flush=True)
 
 
+def bench_fp8_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
+    section, case = "kv_write_fp8_sweep", case_name(tokens)
+    batch = make_batch(tokens, gen)
+    _, k, v = make_qkv(tokens, gen)
+    base, kc, vc = make_cache(batch.num_pages, FP8)
+    want, kw, vw = make_cache(batch.num_pages, FP8)
+    slots = batch.slot_mapping
+    scales = (torch.tensor([K_SCALE], device=DEVICE), torch.tensor([V_SCALE], device=DEVICE))
+    kvc.kv_cache_update_reference(k, v, kw, vw, slots, *scales)
+    nbytes = write_bytes(tokens, 2, 1)
+
+    def launcher(**kw):
+        return lambda: kvc._launch_write(k, v, kc, vc, slots, *scales, True, **kw)
+
+    impls = [
+        ("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots, *scales)),
+        ("fuselane[emulated]", launcher(emulate_e4m3=True)),
+        ("fuselane[addr64]", launcher(offsets_64=True, flat_slots=False)),
+    ]
+    timed = []
+    for name, fn in impls:
+        poison(base)
+        if not try_run(run.peers, f"{section} {case} {name}", fn):
+            continue
+        if mismatches(base, want):
+            run.peers.note(f"{section} {case} {name}: wrong result, not timed")
+            continue
+        timed.append((name, fn))
+    run.time(section, case, timed, nbytes)
+
+
 # ----------------------------------------------------------------------------------------------
-# 5. Goals
+# 6. Goals
 # ----------------------------------------------------------------------------------------------
 
 
@@ -651,8 +839,9 @@ def goals(report: harness.Report, empty_us: float) -> list[str]:
                         ratio <= GOAL_FP8_SLOWDOWN,
                         f"fp8/bf16 {ratio:.3f}",
                     )
-    for n in ROPE_TOKENS:
-        case = rope_case_name(n)
+    rope_cases = [rope_case_name(n) for n in ROPE_TOKENS]
+    rope_cases += [rope_case_name(n, neox=False) for n in ROPE_GPTJ_TOKENS]
+    for case in rope_cases:
         ours = find("rope_kv_write", case, "fuselane")
         separate = [
             r
@@ -666,6 +855,20 @@ def goals(report: harness.Report, empty_us: float) -> list[str]:
             f"rope {case} faster than separate rotary + write",
             min(r["peer_over_fuselane"] for r in separate) > 1.0,
             ", ".join(f"{r['impl']} {r['peer_over_fuselane']}x" for r in separate),
+        )
+    # Not goals: where the write stands against what any implementation must spend.
+    for n in TOKENS:
+        case = case_name(n)
+        ours = find("floor", case, "fuselane")
+        copy = find("floor", case, "triton-copy-no-slot")
+        empty = find("floor", case, "empty-kernel")
+        if ours is None or copy is None or empty is None:
+            continue
+        lines.append(
+            f"FLOOR {case}: fuselane {ours['us']:.3f} us, copy of the same bytes without the "
+            f"slot lookup {copy['us']:.3f} us, empty kernel {empty['us']:.3f} us: "
+            f"fuselane - copy {ours['us'] - copy['us']:+.3f} us, "
+            f"copy - empty {copy['us'] - empty['us']:+.3f} us"
         )
     return lines
 
@@ -702,10 +905,19 @@ def main() -> int:
         bench_write(run, n, fp8=True, fuselane_ok=ok["fp8"], gen=gen)
     for n in ROPE_TOKENS:
         bench_rope(run, n, fuselane_ok=ok["rope"], gen=gen)
+    for n in ROPE_GPTJ_TOKENS:
+        bench_rope(run, n, fuselane_ok=ok["rope"], gen=gen, neox=False)
+    if ok["write"]:
+        for n in TOKENS:
+            bench_floor(run, n, gen)
     print(f"timed sections done at {time.perf_counter() - t_start:.0f} s", flush=True)
     if not args.no_sweep and ok["write"]:
         for n in SWEEP_TOKENS:
             bench_sweep(run, n, gen)
+    if not args.no_sweep and ok["fp8"]:
+        for n in FP8_SWEEP_TOKENS:
+            bench_fp8_sweep(run, n, gen)
+    print(f"sweeps done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
     goal_lines = goals(report, empty_us)
     report.notes.extend(goal_lines)
