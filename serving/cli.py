@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from fuselane.serving import bench_serve
+from fuselane.serving.canary import cli as canary_cli
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     bench_serve.add_parser(bench_sub)
     bench.set_defaults(func=lambda _args: _missing_subcommand(bench))
+
+    canary_cli.add_parser(sub)
     return parser
 
 

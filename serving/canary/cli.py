@@ -1,0 +1,189 @@
+"""`fuselane canary deploy CONFIG | weight W | status` and `fuselane demo`.
+
+`add_parser(subparsers)` adds both commands to the `fuselane` parser (serving/cli.py); each
+sets `func`, which returns the exit code. Heavy imports (Ray, vLLM) happen in the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+# Nothing heavier than the standard library at import: `fuselane --help` and `fuselane check`
+# must work without the `serve` extra (pydantic, PyYAML, Ray, vLLM), which the commands import.
+
+
+def _unit_interval(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {v:g}")
+    return v
+
+
+def _fail(msg: str) -> int:
+    print(f"fuselane: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from .config import CanaryConfigError, load_config
+
+    try:
+        config = load_config(args.config, check_paths=not args.remote_model)
+    except CanaryConfigError as e:
+        return _fail(str(e))
+    if args.print_serve_config:
+        import yaml
+
+        from .app import serve_config
+
+        print(yaml.safe_dump(serve_config(config), sort_keys=False))
+        return 0
+    from . import control
+
+    control.connect(args.address)
+    print(f"deploying {config.name} (stock, custom, ingress) ...", flush=True)
+    try:
+        control.deploy(config, wait_s=0 if args.no_wait else args.timeout)
+    except control.CanaryControlError as e:
+        return _fail(str(e))
+    print(f"{config.name} is running: http://{config.http.host}:{config.http.port}/v1")
+    return 0
+
+
+def cmd_weight(args: argparse.Namespace) -> int:
+    from . import control
+
+    control.connect(args.address)
+    try:
+        uc = control.set_weight(args.app, args.weight, args.shadow_fraction)
+    except control.CanaryControlError as e:
+        return _fail(str(e))
+    print(
+        f"{args.app}: custom weight {uc['weight']:g}, shadow fraction "
+        f"{uc.get('shadow_fraction', 0):g} (epoch {uc['epoch']}; any rollback is cleared)"
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import control
+
+    control.connect(args.address)
+    try:
+        st = control.status(args.app)
+    except Exception as e:  # noqa: BLE001 - no app, no cluster: say which, exit non-zero
+        return _fail(f"no status from app {args.app!r}: {type(e).__name__}: {e}")
+    if args.json:
+        print(json.dumps(st, indent=2, default=str))
+        return 0
+    print(control.format_status(st))
+    if args.kernels:
+        print()
+        print(control.format_kernel_metrics(st))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .config import CanaryConfigError
+    from .demo import run_demo
+
+    try:
+        return run_demo(args)
+    except CanaryConfigError as e:
+        return _fail(str(e))
+
+
+def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
+    p.add_argument(
+        "--address",
+        default="auto",
+        help="Ray cluster address (default: auto, the cluster this machine started or joined)",
+    )
+    if app:
+        p.add_argument("--app", default="fuselane-canary", help="the canary's Serve app name")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add `canary` (deploy, weight, status) and `demo` to the `fuselane` subcommands."""
+    from .demo import DEFAULT_CONFIG, DEFAULT_MODEL_DIR
+
+    canary = subparsers.add_parser(
+        "canary",
+        help="deploy and steer the Ray Serve canary (stock vs custom kernels)",
+        description="Route traffic between vLLM replicas with stock kernels and replicas with "
+        "fuselane's kernels, on a running Ray cluster (`ray start --head` first).",
+    )
+    sub = canary.add_subparsers(dest="canary_command", metavar="ACTION", required=True)
+
+    d = sub.add_parser("deploy", help="deploy (or update) the canary from a YAML config")
+    d.add_argument("config", help="canary config (see serving/configs/)")
+    _common(d, app=False)
+    d.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for RUNNING")
+    d.add_argument("--no-wait", action="store_true", help="return once the config is applied")
+    d.add_argument(
+        "--remote-model",
+        action="store_true",
+        help="model.source exists on the cluster's nodes only: do not check it here",
+    )
+    d.add_argument(
+        "--print-serve-config",
+        action="store_true",
+        help="print the equivalent Serve config (for `serve deploy`) and exit",
+    )
+    d.set_defaults(func=cmd_deploy)
+
+    w = sub.add_parser(
+        "weight",
+        help="set the custom arm's share of traffic, live (also clears a rollback)",
+    )
+    w.add_argument("weight", type=_unit_interval, help="0..1, e.g. 0.25")
+    w.add_argument("--shadow-fraction", type=_unit_interval, default=None, metavar="F")
+    _common(w)
+    w.set_defaults(func=cmd_weight)
+
+    s = sub.add_parser("status", help="per-arm traffic, latency, agreement and rollbacks")
+    _common(s)
+    s.add_argument("--json", action="store_true", help="the raw status as JSON")
+    s.add_argument("--kernels", action="store_true", help="also the per-kernel metrics")
+    s.set_defaults(func=cmd_status)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="build the tiny model, deploy both arms locally, drive load, show the metrics",
+        description="The canary end to end on this machine: a local Ray on 127.0.0.1, stock and "
+        "custom vLLM arms behind the canary ingress, a short load, per-arm latency, shadow "
+        "agreement and per-kernel metrics. Endpoints stay up until Ctrl-C or --duration.",
+    )
+    demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="canary config YAML")
+    demo.add_argument("--model", help="a real model directory (GPU); default: the tiny model")
+    demo.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="tiny model directory")
+    demo.add_argument("--port", type=int, default=8000, help="OpenAI endpoint port (127.0.0.1)")
+    demo.add_argument("--metrics-port", type=int, default=8080, help="Ray metrics export port")
+    demo.add_argument("--requests", type=int, default=200, help="requests in the load")
+    demo.add_argument("--concurrency", type=int, default=8)
+    demo.add_argument("--output-len", type=int, default=16, help="tokens per request")
+    demo.add_argument("--weight", type=_unit_interval, default=None, help="custom arm share")
+    demo.add_argument("--shadow-fraction", type=_unit_interval, default=None)
+    demo.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="Ray's logical CPUs for the local Ray (default: max(8, the machine's cores))",
+    )
+    demo.add_argument("--deploy-timeout", type=float, default=900.0)
+    demo.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds to keep the endpoints up after the load (default: until Ctrl-C; 0: exit)",
+    )
+    demo.add_argument(
+        "--address", default=None, help="use this Ray cluster instead of starting one"
+    )
+    demo.set_defaults(func=cmd_demo)

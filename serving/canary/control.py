@@ -1,0 +1,230 @@
+"""Operating a canary on a running Ray cluster: deploy, reweight, read status.
+
+These do what `serve run CONFIG` / `serve deploy CONFIG` do (apply a declarative Serve config
+through the Serve controller), so that the weight can later change in place: a new `user_config`
+for the ingress under the same code version reconfigures the ingress replicas live, with no
+engine restart and no dropped request. The dashboard is not needed (the controller is reached
+through Ray itself, as `serve run` does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .app import INGRESS, arm_app_name, serve_apps
+from .config import CanaryConfig
+
+MONITOR = "CanaryMonitor"
+
+
+class CanaryControlError(RuntimeError):
+    pass
+
+
+def connect(address: str | None = "auto", **init_kwargs: Any) -> None:
+    """Join the Ray cluster at `address` (no-op when this process is already connected)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, **init_kwargs)
+
+
+def _client(http: dict[str, Any] | None = None) -> Any:
+    # The calls `serve run CONFIG` makes (ray/serve/scripts.py); Serve has no public Python API
+    # for declarative deploys.
+    from ray.serve._private import api as serve_api
+    from ray.serve.context import _get_global_client
+
+    if http is None:
+        return _get_global_client()
+    return serve_api.serve_start(http_options=http)
+
+
+def _declarative_apps(client: Any, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The apps deployed from config now, but `skip` (a config apply replaces the whole set,
+    so other people's apps are sent back unchanged)."""
+    details = client.get_serve_details()
+    apps = []
+    for name, app in (details.get("applications") or {}).items():
+        cfg = app.get("deployed_app_config")
+        if cfg and name not in skip:
+            apps.append(cfg)
+    return apps
+
+
+def _names(config: CanaryConfig) -> tuple[str, ...]:
+    return (config.name, arm_app_name(config, "stock"), arm_app_name(config, "custom"))
+
+
+def _apply(client: Any, apps: list[dict[str, Any]], http: dict[str, Any]) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate({"http_options": http, "applications": apps})
+    client.deploy_apps(schema)
+
+
+def deploy(config: CanaryConfig, *, wait_s: float = 900.0, poll_s: float = 2.0) -> None:
+    """Start Serve's HTTP proxy on the config's host/port if needed, apply the app, wait until
+    it is RUNNING (raise CanaryControlError with Serve's message if it fails or times out)."""
+    http = {"host": config.http.host, "port": config.http.port}
+    client = _client(http)
+    epoch = 0
+    try:
+        # The file's weight applies, under the live epoch: redeploying is not the operator's
+        # acknowledgement of a rollback (`fuselane canary weight` is).
+        epoch = int(current_user_config(config.name)[1].get("epoch", 0))
+    except CanaryControlError:
+        pass
+    apps = _declarative_apps(client, skip=_names(config))
+    _apply(client, [*apps, *serve_apps(config, config.user_config(epoch))], http)
+    if wait_s > 0:
+        for name in _names(config):
+            wait_running(name, wait_s=wait_s, poll_s=poll_s)
+
+
+def wait_running(app: str, *, wait_s: float = 900.0, poll_s: float = 2.0) -> None:
+    client = _client()
+    deadline = time.monotonic() + wait_s
+    last = ""
+    while time.monotonic() < deadline:
+        status = client.get_serve_status(app)
+        state = str(status.app_status.status)
+        if state.endswith("RUNNING"):
+            return
+        if state.endswith("DEPLOY_FAILED") or state.endswith("UNHEALTHY"):
+            raise CanaryControlError(f"app {app!r}: {state}: {status.app_status.message}")
+        last = f"{state} {status.app_status.message}".strip()
+        time.sleep(poll_s)
+    raise CanaryControlError(f"app {app!r} not running after {wait_s:g}s: {last}")
+
+
+def current_user_config(app: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the app's Serve config, the ingress's user_config in force)."""
+    client = _client()
+    details = client.get_serve_details()
+    entry = (details.get("applications") or {}).get(app)
+    if entry is None:
+        raise CanaryControlError(f"no Serve application {app!r} on this cluster")
+    cfg = entry.get("deployed_app_config")
+    if not cfg:
+        raise CanaryControlError(
+            f"app {app!r} was not deployed from a config (serve.run from Python?): its weight "
+            f"cannot change live; deploy it with `fuselane canary deploy CONFIG`"
+        )
+    for d in cfg.get("deployments") or []:
+        if d.get("name") == INGRESS and d.get("user_config") is not None:
+            return cfg, dict(d["user_config"])
+    return cfg, dict(CanaryConfig.model_validate(cfg["args"]["config"]).user_config())
+
+
+def set_weight(app: str, weight: float, shadow_fraction: float | None = None) -> dict[str, Any]:
+    """Set the custom arm's weight live; this is the operator's action that clears a rollback
+    (the epoch goes up). Returns the new user_config."""
+    if not 0.0 <= weight <= 1.0:
+        raise CanaryControlError(f"weight: must be between 0 and 1, got {weight}")
+    if shadow_fraction is not None and not 0.0 <= shadow_fraction <= 1.0:
+        raise CanaryControlError(f"shadow fraction: must be between 0 and 1, got {shadow_fraction}")
+    client = _client()
+    cfg, user_config = current_user_config(app)
+    user_config = {
+        **user_config,
+        "weight": weight,
+        "epoch": int(user_config.get("epoch", 0)) + 1,
+    }
+    if shadow_fraction is not None:
+        user_config["shadow_fraction"] = shadow_fraction
+    deployments = [d for d in (cfg.get("deployments") or []) if d.get("name") != INGRESS]
+    deployments.append({"name": INGRESS, "user_config": user_config})
+    new_cfg = {**cfg, "deployments": deployments}
+    http = client.get_serve_details().get("http_options") or {}
+    apps = [*_declarative_apps(client, skip=(app,)), new_cfg]
+    _apply(client, apps, {k: http[k] for k in ("host", "port") if k in http})
+    return user_config
+
+
+def status(app: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The monitor's status dictionary (see `CanaryMonitor.status`)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(MONITOR, app_name=app)
+    return handle.status.remote().result(timeout_s=timeout_s)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """A readable table of a status dictionary."""
+    lines = [
+        f"app {st['app']}  model {st['model']}  "
+        f"weight {st['weight']:.3f} (operator {st['operator_weight']:.3f})  "
+        f"shadow fraction {st['shadow_fraction']:.3f}  epoch {st['epoch']}",
+    ]
+    rb = st.get("rollback")
+    if rb:
+        when = time.strftime("%H:%M:%S", time.localtime(rb["at"]))
+        lines.append(
+            f"ROLLED BACK at {when}: {rb['reason']}: {rb['detail']} "
+            f"(weight was {rb['weight_before']:g}; `fuselane canary weight W` sets it back)"
+        )
+    lines.append("")
+    head = f"{'arm':<8}{'requests':>10}{'share':>8}{'ok':>8}{'errors':>8}{'4xx':>6}"
+    head += f"{'err% win':>10}{'p50 ms':>9}{'p95 ms':>9}"
+    lines.append(head)
+    for arm in ("stock", "custom"):
+        a = st["arms"][arm]
+        lines.append(
+            f"{arm:<8}{a['requests']:>10}{a['traffic_share'] * 100:>7.1f}%{a['ok']:>8}"
+            f"{a['errors']:>8}{a['client_errors']:>6}{a['error_rate_window'] * 100:>9.1f}%"
+            f"{_ms(a['latency_p50_s']):>9}{_ms(a['latency_p95_s']):>9}"
+        )
+    fo = st.get("failovers") or {}
+    lines.append("")
+    lines.append(
+        "failovers to stock: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(fo.items())) if fo else "none")
+    )
+    sh = st["shadow"]
+    mean = sh.get("agreement_mean_window")
+    lines.append(
+        f"shadow: {sh['compared']} compared, {sh['exact']} identical, {sh['errors']} failed; "
+        f"mean agreement {'-' if mean is None else f'{mean:.3f}'}; "
+        f"max |logprob diff| {sh['max_logprob_diff']:.2e}"
+    )
+    kc = st["kernel_checks"]
+    lines.append(
+        f"numerical-check failures on custom since the last operator action: "
+        f"{kc['failed_since_reset']}"
+    )
+    rbs = st.get("rollbacks") or []
+    lines.append(f"rollbacks: {len(rbs)}")
+    for r in rbs[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(r["at"]))
+        lines.append(f"  {when} {r['reason']}: {r['detail']}")
+    return "\n".join(lines)
+
+
+def format_kernel_metrics(st: dict[str, Any]) -> str:
+    """Per-kernel metrics as reported by the arms' replicas (summed per arm)."""
+    per_arm: dict[str, dict[tuple, float]] = {}
+    for rep in (st.get("kernel_metrics") or {}).values():
+        if not rep["samples"]:
+            continue
+        acc = per_arm.setdefault(rep["arm"], {})
+        for s in rep["samples"]:
+            key = (s["name"], tuple(sorted(s["labels"].items())))
+            acc[key] = acc.get(key, 0.0) + s["value"]
+    if not per_arm:
+        return (
+            "no fuselane kernel metrics reported: telemetry is off (FUSELANE_TELEMETRY), or no "
+            "fuselane kernel ran in the arms' engines"
+        )
+    lines = []
+    for arm in sorted(per_arm):
+        lines.append(f"[{arm}]")
+        for (name, labels), value in sorted(per_arm[arm].items()):
+            lab = ",".join(f"{k}={v}" for k, v in labels)
+            lines.append(f"  {name}{{{lab}}} {value:g}")
+    return "\n".join(lines)
