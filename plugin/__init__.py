@@ -1,1 +1,90 @@
-"""Everything that runs inside a vLLM process: the entry point, backend, sampler hook, telemetry."""
+"""Everything that runs inside a vLLM process: the entry point, backend, sampler hook, telemetry.
+
+`register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process it starts
+(API server, engine core, workers), before any model is built. It is small and lazy: it reads
+`FUSELANE_KERNELS`, registers fuselane's backend as `AttentionBackendEnum.CUSTOM`, and installs
+the backend chooser (`plugin/selector.py`); nothing from `fuselane.kernels` is imported until
+vLLM asks for a fuselane class. Calling it again in the same process does nothing.
+`unregister()` undoes every change, for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .config import ENV_VAR, FuselaneConfigError, KernelSelection, kernels_from_env
+
+BACKEND_PATH = "fuselane.plugin.backend.FuselaneAttentionBackend"
+
+__all__ = [
+    "BACKEND_PATH",
+    "ENV_VAR",
+    "FuselaneConfigError",
+    "KernelSelection",
+    "active_selection",
+    "register",
+    "unregister",
+]
+
+# This process's registration: the selection read by register() and the undo callbacks.
+_selection: KernelSelection | None = None
+_undo: list[Callable[[], None]] = []
+
+
+def register() -> None:
+    """Entry point (`vllm.general_plugins`): idempotent, raises on an invalid FUSELANE_KERNELS."""
+    global _selection
+    selection = kernels_from_env()  # raises FuselaneConfigError, stopping vLLM's start-up
+    if _selection is not None:
+        return
+    # fuselane.kernels' package init picks Triton's interpreter when there is no GPU. Doing it
+    # here sets TRITON_INTERPRET for the engine processes vLLM spawns from this one, before
+    # they import Triton (the kernel modules themselves are not imported yet).
+    import fuselane.kernels  # noqa: F401
+
+    from . import selector, vllm_compat
+
+    _undo.append(vllm_compat.register_custom_backend(BACKEND_PATH))
+    _undo.append(vllm_compat.install_backend_chooser(selector.make_chooser(selection)))
+    if selection.sampling:
+        undo_sampler = _install_sampler(selection)
+        if undo_sampler is not None:
+            _undo.append(undo_sampler)
+    _selection = selection
+    vllm_compat.get_logger().info(
+        "fuselane plugin registered: %s=%r requests [%s]; the CUSTOM attention backend is %s",
+        ENV_VAR,
+        selection.raw,
+        selection.describe(),
+        BACKEND_PATH,
+    )
+
+
+def _install_sampler(selection: KernelSelection) -> Callable[[], None] | None:
+    """Install the sampler hook; without one (no sampling kernel yet), say so and go on."""
+    from . import vllm_compat
+
+    try:
+        from . import sampler_hook
+    except ImportError as e:
+        vllm_compat.get_logger().warning(
+            "fuselane: %s asks for sampling, but this build has no sampler hook (%s); "
+            "vLLM's own sampler stays in use",
+            ENV_VAR,
+            e,
+        )
+        return None
+    return sampler_hook.install(selection)
+
+
+def unregister() -> None:
+    """Undo `register()` in this process (restores vLLM's registry, selector and sampler)."""
+    global _selection
+    while _undo:
+        _undo.pop()()
+    _selection = None
+
+
+def active_selection() -> KernelSelection:
+    """The selection `register()` read, or the environment's when the plugin is not registered."""
+    return _selection if _selection is not None else kernels_from_env()

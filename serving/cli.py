@@ -16,6 +16,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return run_selfcheck(families=args.family, seed=args.seed, out=sys.stdout)
 
 
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from fuselane.serving.tiny_model import build_tiny_model
+
+    path = build_tiny_model(args.dir, **({} if args.seed is None else {"seed": args.seed}))
+    print(f"tiny model written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fuselane",
@@ -43,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.set_defaults(func=_cmd_check)
+
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build the tiny Llama model (random weights, offline tokenizer) into a folder",
+        description=(
+            "Writes a 2-layer Llama-architecture model with random weights from a fixed seed and "
+            "a byte-level BPE tokenizer trained offline: loadable by vLLM and transformers."
+        ),
+    )
+    tiny.add_argument("dir", help="output folder (created; existing model files are replaced)")
+    tiny.add_argument("--seed", type=int, default=None, help="weight seed (default: built-in)")
+    tiny.set_defaults(func=_cmd_tiny_model)
 
     bench = sub.add_parser(
         "bench",

@@ -45,3 +45,21 @@ def test_check_kv_cache_passes_and_reports():
     report = out.getvalue()
     assert rc == 0, report
     assert "fp8-e4m3" in report and "rope (neox)" in report and "0 failed" in report
+
+
+def test_tiny_model_subcommand_builds_a_loadable_folder(tmp_path, capsys):
+    assert cli.main(["tiny-model", str(tmp_path / "m")]) == 0
+    assert "tiny model written to" in capsys.readouterr().out
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "m" / name).is_file(), name
+
+
+def test_every_subcommand_has_help():
+    for argv in (["check"], ["tiny-model"], ["bench"], ["bench", "serve"], ["canary"], ["demo"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "fuselane.serving.cli", *argv, "--help"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, (argv, proc.stderr)
+        assert proc.stdout.startswith("usage: fuselane " + " ".join(argv)), proc.stdout[:80]
