@@ -1,0 +1,472 @@
+"""Triton building blocks of the fused sampler (kernels/sampling.py): the per-tile logits
+processing, order-preserving keys, vLLM V2's murmur3 Gumbel noise, per-chunk candidate
+selection and the threshold searches (over a candidate list, or exact with passes over a row).
+
+Every function here is a `@triton.jit` device function inlined into the two kernels of
+sampling.py; none launches anything. Conventions: a tile is [Q, 4] (4 consecutive tokens per
+row: Triton gives each thread whole 16-byte rows, so per-row work stays in-thread); values are
+fp32 with NaN -> -inf; thresholds are int32 `key`s (order-preserving, -0 read as +0), and a
+candidate is stored as one int64 `key << 32 | token`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# vLLM V1 `_SAMPLING_EPS`: temperatures below it mean greedy.
+SAMPLING_EPS = 1e-5
+# key(-inf); key(-FLT_MAX). ">= KEY_NO_BOUND" holds for every finite value and nothing else.
+KEY_NEG_INF = -2139095041
+KEY_NO_BOUND = -2139095040
+
+_LOG2E = tl.constexpr(LOG2E)
+_EPS = tl.constexpr(SAMPLING_EPS)
+_KEY_NO_BOUND = tl.constexpr(KEY_NO_BOUND)
+
+
+@triton.jit
+def key(v):
+    """Order-preserving int32 key of fp32 values (no NaN): negative floats get their 31 low bits
+    flipped, so signed int order = float order; -0 maps to the key of +0."""
+    b = v.to(tl.int32, bitcast=True)
+    b = tl.where(v == 0.0, 0, b)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def unkey(k):
+    """Inverse of `key` (int32 in, fp32 out)."""
+    b = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotl32(v, s: tl.constexpr):
+    return (v << s) | (v >> (32 - s))
+
+
+@triton.jit
+def _murmur3_mix(h, k):
+    # murmur3_32 block mix with uint32 wrap-around, exactly as vLLM V2's sample/gumbel.py.
+    k *= 0xCC9E2D51
+    k = _rotl32(k, 15)
+    k *= 0x1B873593
+    h ^= k
+    h = _rotl32(h, 13)
+    return h * 5 + 0xE6546B64
+
+
+@triton.jit
+def _murmur3_fmix(h):
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def noise_row_state(seed, pos):
+    """murmur3 state after (seed low word, seed high word, position): the per-row hash prefix."""
+    seed = seed.to(tl.int64)
+    pos = pos.to(tl.int64)
+    h = (seed ^ seed).to(tl.uint32)
+    h = _murmur3_mix(h, (seed & 0xFFFFFFFF).to(tl.uint32))
+    h = _murmur3_mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    h = _murmur3_mix(h, (pos & 0xFFFFFFFF).to(tl.uint32))
+    return h
+
+
+@triton.jit
+def _log1p_neg(u):
+    # log(1 - u): degree-8 series below 0.25 keeps precision in the winning Gumbel tail (V2).
+    poly = 1.0 / 8.0
+    poly = 1.0 / 7.0 + u * poly
+    poly = 1.0 / 6.0 + u * poly
+    poly = 1.0 / 5.0 + u * poly
+    poly = 1.0 / 4.0 + u * poly
+    poly = 1.0 / 3.0 + u * poly
+    poly = 1.0 / 2.0 + u * poly
+    poly = 1.0 + u * poly
+    series = -u * poly
+    direct = tl.log(tl.maximum(1.0 - u, 5.960464477539063e-08))
+    return tl.where(u < 0.25, series, direct)
+
+
+@triton.jit
+def gumbel(h, tokens):
+    """Gumbel(0, 1) noise of `tokens` (int) for the row whose hash prefix is `h`:
+    u = (murmur3(seed, pos, token) + 0.5) / 2^32 from two exact 16-bit halves,
+    g = -log(-log(1 - u))."""
+    r = _murmur3_fmix(_murmur3_mix(h, tokens.to(tl.uint32)) ^ 16)
+    hi16 = (r >> 16).to(tl.int32)
+    lo16 = (r & 0xFFFF).to(tl.int32)
+    u = (
+        hi16.to(tl.float32) * 1.52587890625e-05
+        + (lo16.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    )
+    return -tl.log(-_log1p_neg(u))
+
+
+@triton.jit
+def load_row_params(
+    row,
+    V,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    minp_ptr,
+    rep_ptr,
+    freq_ptr,
+    pres_ptr,
+    slots_ptr,
+    bcount_ptr,
+    seeds_ptr,
+    has_seed_ptr,
+    rseeds_ptr,
+    offsets_ptr,
+    HAS_TEMP: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_TOPP: tl.constexpr,
+    HAS_MINP: tl.constexpr,
+    HAS_REP: tl.constexpr,
+    HAS_FREQ: tl.constexpr,
+    HAS_PRES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEED_MODE: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+):
+    """Per-row scalars (a missing tensor means the neutral value). SEED_MODE: 0 = every row
+    takes its device-drawn seed, 1 = every row is seeded, 2 = `has_seed` chooses per row."""
+    t = tl.full((), 1.0, tl.float32)
+    if HAS_TEMP:
+        t = tl.load(temp_ptr + row).to(tl.float32)
+    greedy = t < _EPS
+    t_eff = tl.where(greedy, 1.0, t)
+    k = tl.full((), 0, tl.int32)
+    if HAS_TOPK:
+        k = tl.load(topk_ptr + row).to(tl.int32)
+    k_on = (k > 0) & (k < V)
+    p = tl.full((), 1.0, tl.float32)
+    if HAS_TOPP:
+        p = tl.load(topp_ptr + row).to(tl.float32)
+    p_on = p < 1.0
+    minp = tl.full((), 0.0, tl.float32)
+    if HAS_MINP:
+        minp = tl.load(minp_ptr + row).to(tl.float32)
+    minp_on = minp > 0.0
+    rep = tl.full((), 1.0, tl.float32)
+    if HAS_REP:
+        rep = tl.load(rep_ptr + row).to(tl.float32)
+    freq = tl.full((), 0.0, tl.float32)
+    if HAS_FREQ:
+        freq = tl.load(freq_ptr + row).to(tl.float32)
+    pres = tl.full((), 0.0, tl.float32)
+    if HAS_PRES:
+        pres = tl.load(pres_ptr + row).to(tl.float32)
+    use_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    slot = row
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+    nbias = tl.full((), 0, tl.int32)
+    if HAS_BIAS:
+        nbias = tl.load(bcount_ptr + slot).to(tl.int32)
+    if SEED_MODE == 0:
+        seed = tl.load(rseeds_ptr + row).to(tl.int64)
+    elif SEED_MODE == 1:
+        seed = tl.load(seeds_ptr + row).to(tl.int64)
+    else:
+        seeded = tl.load(has_seed_ptr + row) != 0
+        seed = tl.where(
+            seeded, tl.load(seeds_ptr + row).to(tl.int64), tl.load(rseeds_ptr + row).to(tl.int64)
+        )
+    pos = tl.full((), 0, tl.int64)
+    if HAS_OFFSETS:
+        pos = tl.load(offsets_ptr + row).to(tl.int64)
+    h = noise_row_state(seed, pos)
+    return (
+        greedy,
+        t_eff,
+        k,
+        k_on,
+        p,
+        p_on,
+        minp,
+        minp_on,
+        rep,
+        freq,
+        pres,
+        use_pen,
+        slot,
+        nbias,
+        h,
+    )
+
+
+@triton.jit
+def process_tile(
+    start,
+    row,
+    slot,
+    logits_ptr,
+    stride_row,
+    V,
+    t_eff,
+    rep,
+    freq,
+    pres,
+    use_pen,
+    nbias,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
+    Q: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
+):
+    """Load logits[row, start : start + 4*Q] and apply bias, penalties and temperature.
+
+    start: int64 scalar, a multiple of 32. Returns tok [Q, 4] int32 (token ids), x [Q, 4] fp32
+    (raw, NaN -> -inf, -inf past V), z [Q, 4] fp32 (processed), is_nan [Q, 4]. Elementwise,
+    so every caller gets bit-identical values for a token.
+    """
+    local = tl.arange(0, Q)[:, None] * 4 + tl.arange(0, 4)[None, :]  # int32; bases are int64
+    inb = local < (V - start).to(tl.int32)
+    tok = start.to(tl.int32) + local
+    x = tl.load(logits_ptr + row * stride_row + start + local, mask=inb, other=float("-inf"))
+    x = x.to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, float("-inf"), x)
+    y = x
+    if HAS_BIAS:
+        # Sparse (token, value) entries of the row's slot, any order: an entry touches at most
+        # one element of the tile, so only entries inside it pay a tile-wide select.
+        for eb in range(0, nbias, BIAS_BLOCK):
+            for j in tl.static_range(BIAS_BLOCK):
+                e = eb + j
+                ok = e < nbias
+                bt = tl.load(btok_ptr + slot * b_stride + e, mask=ok, other=-1)
+                bv = tl.load(bval_ptr + slot * b_stride + e, mask=ok, other=0.0)
+                bl = bt.to(tl.int64) - start
+                if ok & (bl >= 0) & (bl < Q * 4):
+                    y = tl.where(local == bl.to(tl.int32), y + bv, y)
+    if HAS_PEN:
+        if use_pen:
+            # one packed word per 32 tokens: a 4-token row never straddles two words
+            rtok = start.to(tl.int32) + tl.arange(0, Q) * 4
+            words = rtok >> 5
+            wmask = rtok < V
+            bit = tok & 31
+            cptr = counts_ptr + slot * counts_stride + start + local
+            if HAS_OUT_MASK:
+                # packed output-presence bits: read counts only where a bit is set
+                ow = tl.load(omask_ptr + slot * omask_stride + words, mask=wmask, other=0)
+                obit = ((ow[:, None] >> bit) & 1) != 0
+                cnt = tl.load(cptr, mask=inb & obit, other=0)
+            else:
+                cnt = tl.load(cptr, mask=inb, other=0)
+                obit = cnt > 0
+            if rep != 1.0:
+                pw = tl.load(pmask_ptr + slot * pmask_stride + words, mask=wmask, other=0)
+                pbit = ((pw[:, None] >> bit) & 1) != 0
+                # vLLM: scale = r where seen in prompt or output; y *= (y > 0 ? 1/scale : scale)
+                scale = tl.where(pbit | obit, rep, 1.0)
+                y = y * tl.where(y > 0, 1.0 / scale, scale)
+            y = y - freq * cnt.to(tl.float32)
+            y = y - pres * obit.to(tl.float32)
+    z = y
+    if HAS_TEMP:
+        z = y / t_eff
+    return tok, x, z, is_nan
+
+
+@triton.jit
+def argmax2d(v):
+    """(max, flat index) of a 2-D tensor, ties to the lowest flat (token) index."""
+    gv, gi = tl.max(v, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    bv, br = tl.max(gv, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    bc = tl.sum(tl.where(tl.arange(0, v.shape[0]) == br, gi, 0), axis=0)
+    return bv, br * v.shape[1] + bc
+
+
+@triton.jit
+def select_candidates(
+    v,
+    vmax,
+    tok,
+    out_ptr,
+    Q: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Store the largest values of a [Q, 4] tile (-inf = absent) and return (count, floor).
+
+    At most CAP values are stored, in token order, each as int64 `fp32 bits << 32 | token`;
+    floor = the largest value left out (-inf if none), so every value > floor is listed.
+    Cut: the smallest of SG super-group maxima, so at least SG values reach it (for iid values
+    about SG * ln(SG + 1) do): SG = CAP/4 unless that overflows CAP, then CAP/8 (simulated on
+    normal chunks of 4096 and 8192 values: 54 and 22 values on average, CAP/8 overflows 64 in
+    ~0.1% of chunks); past that, a bisection on keys raises the cut.
+    """
+    SG_LO: tl.constexpr = min(max(CAP // 4, 1), Q)
+    SG_HI: tl.constexpr = max(SG_LO // 2, 1)
+    qmax = tl.max(v, axis=1)  # in-thread maxima of the 4-token rows [Q]
+    g_lo = tl.max(tl.reshape(qmax, [SG_LO, Q // SG_LO]), axis=1)
+    g_hi = tl.max(tl.reshape(g_lo, [SG_HI, SG_LO // SG_HI]), axis=1)
+    # cuts are finite (>= -FLT_MAX), so `v >= cut` never selects an absent value
+    c_lo = tl.maximum(tl.min(g_lo, axis=0), -3.4028234663852886e38)
+    c_hi = tl.maximum(tl.min(g_hi, axis=0), -3.4028234663852886e38)
+    # rows reaching c_lo bound the values reaching it from below: a cheap first guess
+    c0 = tl.where(tl.sum((qmax >= c_lo).to(tl.int32), axis=0) <= CAP, c_lo, c_hi)
+    cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
+    if cnt > CAP:
+        c0 = c_hi
+        cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
+        if cnt > CAP:
+            # smallest key t with at most CAP values >= t (float compares against unkey(t))
+            lo = key(c0).to(tl.int64)
+            hi = key(vmax).to(tl.int64) + 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                c = tl.sum(tl.sum((v >= unkey(mid.to(tl.int32))).to(tl.int32), axis=1), axis=0)
+                if c > CAP:
+                    lo = mid
+                else:
+                    hi = mid
+            c0 = unkey(hi.to(tl.int32))
+            cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
+    sel = v >= c0
+    floor = tl.max(tl.max(tl.where(sel, float("-inf"), v), axis=1), axis=0)
+    # compaction in token order: exclusive scan over the 4-token rows + in-row prefix
+    si = sel.to(tl.int32)
+    rc = tl.sum(si, axis=1)
+    pos = (tl.cumsum(rc, axis=0) - rc)[:, None] + tl.cumsum(si, axis=1) - 1
+    bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+    tl.store(out_ptr + pos, (bits << 32) | tok.to(tl.int64), mask=sel)
+    return cnt, floor
+
+
+@triton.jit
+def search_list(keys, w, target, lo, hi):
+    """Largest key t in [lo, hi) with sum(w[keys >= t]) >= target; the caller ensures it holds
+    at lo and fails at hi. fp32 sums of non-negative terms in a fixed order are monotone."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        s = tl.sum(tl.where(keys >= mid, w, 0.0), axis=0)
+        if s >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def row_search(
+    frac,
+    lo,
+    hi,
+    bound,
+    vmax,
+    mass,
+    raw,
+    row,
+    slot,
+    logits_ptr,
+    stride_row,
+    V,
+    t_eff,
+    rep,
+    freq,
+    pres,
+    use_pen,
+    nbias,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
+    NP: tl.constexpr,
+    TILE: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
+):
+    """Exact search over a whole row: the largest key t in [lo, hi) with W(>= t) >= target.
+
+    W(>= t) = count (mass False) or sum of exp(v - vmax) (mass True) over finite values v of the
+    row with key(v) >= t and key(v) >= bound; v = raw x (raw True) or processed z.
+    target = frac * W(>= lo) when mass (W(>= lo) comes from the first pass: the mass of
+    everything the search may keep), else frac. NP pivots per pass, so a 32-bit key range takes
+    at most 8 passes. If W(>= lo) < target (rounding), returns lo.
+    """
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    target = tl.full((), 0.0, tl.float32) + frac
+    it = tl.full((), 0, tl.int32)
+    while hi - lo > 1:
+        step = (hi - lo + NP - 1) // NP
+        piv = tl.minimum(lo + tl.arange(0, NP).to(tl.int64) * step, hi - 1)
+        piv32 = piv.to(tl.int32)
+        acc = tl.zeros([NP], dtype=tl.float32)
+        for s in range(0, V, TILE):
+            _tok, x, z, _is_nan = process_tile(
+                s + tl.zeros((), dtype=tl.int64),
+                row,
+                slot,
+                logits_ptr,
+                stride_row,
+                V,
+                t_eff,
+                rep,
+                freq,
+                pres,
+                use_pen,
+                nbias,
+                pmask_ptr,
+                pmask_stride,
+                counts_ptr,
+                counts_stride,
+                omask_ptr,
+                omask_stride,
+                btok_ptr,
+                bval_ptr,
+                b_stride,
+                TILE // 4,
+                HAS_TEMP,
+                HAS_BIAS,
+                HAS_PEN,
+                HAS_OUT_MASK,
+                BIAS_BLOCK,
+            )
+            v = tl.reshape(tl.where(raw, x, z), [TILE])
+            kv = key(v)
+            ok = (v > float("-inf")) & (kv >= bound)
+            w = tl.where(ok, tl.where(mass, tl.exp2((v - vmax) * _LOG2E), 1.0), 0.0)
+            acc += tl.sum(tl.where(kv[:, None] >= piv32[None, :], w[:, None], 0.0), axis=0)
+        if (it == 0) & mass:
+            target = frac * tl.max(acc, axis=0)  # pivot 0 = lo: the largest W
+        it += 1
+        ok = acc >= target
+        new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
+        new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
+        lo = new_lo
+        hi = new_hi
+    return lo
