@@ -22,7 +22,8 @@ shape stays valid for any sequence lengths replayed into it):
 
 - `max_query_len <= qpos_cap` (decode, speculative verify): `_decode_kernel`, flash-decoding
   with the work of each (sequence, kv head) split over `num_splits` programs when the batch
-  alone cannot fill the GPU, then `_splitkv_reduce_kernel`.
+  alone cannot fill the GPU's program slots; the last split program of each (sequence, kv head)
+  merges the partials (one launch).
 - otherwise (prefill, mixed): the decode kernel takes the sequences with query_len <= qpos_cap
   and `_prefill_kernel` the others; both are launched over the whole batch and each program
   reads its sequence's query_len on the device to know whether it is its own.
@@ -58,11 +59,16 @@ DECODE_MAX_QUERY_LEN = 8
 # stays in registers.
 DECODE_MAX_ROWS = 128
 DEFAULT_MAX_SPLITS = 64
-# Split-KV rule (not yet measured on GPU: bench_attention.py sweeps it). A batch with at least
-# NO_SPLIT_CTAS_PER_SM * SMs (sequence, kv head) programs runs unsplit; a smaller one is split so
-# that about TARGET_CTAS_PER_SM * SMs programs stream the cache.
+# Split-KV rule (shapes only; see _num_splits). A batch of at least NO_SPLIT_CTAS_PER_SM * SMs
+# (sequence, kv head) programs never splits (plugin/backend.py sizes its workspace from this).
+# Below that, the split count minimizes waves(s) * (1 / s + PROGRAM_OVERHEAD): waves of equal
+# programs over the SMs' program slots, each program 1 / s of a (sequence, kv head)'s KV plus a
+# fixed start-up cost. PROGRAM_OVERHEAD: a few us per program (launch, q and block-table loads,
+# the first tile's latency, write-out; run 2's B=1 points imply 3-6 us) over ~260 us (one kv
+# head of an 8k context at two programs per SM sharing the ~33 GB/s per SM of the tile-128
+# kernel at B=64; H200, run 2, 2026-11-21).
 NO_SPLIT_CTAS_PER_SM = 2
-TARGET_CTAS_PER_SM = 4
+PROGRAM_OVERHEAD = 0.02
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
@@ -114,6 +120,8 @@ class AttentionWorkspace:
 
     partial_out: [max_num_tokens * num_q_heads * max_splits * head_pad] fp32
     partial_ml:  [max_num_tokens * num_q_heads * max_splits * 2] fp32 (running max, sum)
+    counters:    [max_num_tokens * num_q_heads] int32, zero between launches: the fused merge
+                 counts the finished splits of each (sequence, kv head) and resets its count
 
     A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
     positions, 1 for plain decode); when that does not fit, the call runs with fewer splits. The
@@ -122,6 +130,7 @@ class AttentionWorkspace:
 
     partial_out: torch.Tensor
     partial_ml: torch.Tensor
+    counters: torch.Tensor
     max_num_tokens: int
     num_q_heads: int
     head_size: int
@@ -141,7 +150,8 @@ class AttentionWorkspace:
         max_num_tokens: the most (sequences x query rows) a split launch should cover, e.g.
         the largest decode batch that still leaves the GPU idle (4 * SMs / Hkv sequences) times
         1 + num_speculative_tokens. Memory: max_num_tokens * num_q_heads * max_splits *
-        (next_pow2(head_size) + 2) * 4 bytes.
+        (next_pow2(head_size) + 2) * 4 bytes, plus max_num_tokens * num_q_heads * 4 bytes of
+        counters.
         """
         for name, value in (
             ("max_num_tokens", max_num_tokens),
@@ -156,6 +166,7 @@ class AttentionWorkspace:
         return cls(
             partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
             partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
+            counters=torch.zeros(max_num_tokens * num_q_heads, dtype=torch.int32, device=device),
             max_num_tokens=max_num_tokens,
             num_q_heads=num_q_heads,
             head_size=head_size,
@@ -172,6 +183,8 @@ class DecodeConfig:
     max_q: int  # sequences with a longer query are the prefill kernel's (0: none)
     num_warps: int
     num_stages: int
+    fused_reduce: bool = True  # splits merged by the last split program (False: a 2nd launch)
+    head_fast: bool = False  # grid order: kv head fastest (programs of one sequence together)
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,7 @@ class PrefillConfig:
     min_q: int  # sequences with query_len <= min_q are the decode kernel's
     num_warps: int
     num_stages: int
+    head_fast: bool = False  # grid order: kv head fastest (every head's heaviest blocks first)
 
 
 @dataclass(frozen=True)
@@ -202,34 +216,102 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(index)
 
 
-def _decode_tile(qpos: int, group: int, head_size: int) -> tuple[int, int, int, int]:
-    """(block_m, tile_n, num_warps, num_stages) of the decode kernel. Not yet measured on GPU.
+# Decode tile, measured on an H200 (run 2, 2026-11-21; bf16, Hq=32, Hkv=8, D=128, page 16;
+# .notes/gpu-run2-attn.log), us per call for 64 KV tokens per step (4 warps, 3 stages) vs 128:
+# B=1 ctx 32k (64 splits) 51.5 vs 47.7-48.0; B=16 ctx 4k (5 splits) 81.8 vs 83.0-83.3;
+# B=64 ctx 4k (unsplit) 325.5 vs 251.3-251.6 (= FlashInfer). 2 vs 3 stages at 128 tokens: within
+# 0.5%. 8 warps: 255 (B=64) to 110 (B=16), always slower.
+# Stages: K/V rows are gathered through the block table, a load feeding a load. Triton 3.6's
+# pipeliner then gives each level (num_stages - 1) // 2 iterations of latency and allocates
+# that many K/V buffers; with one buffer the next tile's copy is issued after the current one is
+# consumed and waited on at the top of the next iteration (async_wait num=0): no overlap of load
+# and compute. Compiled for sm_90a here (triton.compile + ptxas -v, D=128, tile 128, 4 warps):
+# 2-4 stages: 1 buffer, 74 KiB shared memory, 230-255 registers (2 programs per SM, register-
+# bound); 5 stages: 2 buffers (one tile in flight during compute), 137 KiB (1 per SM); 7: 3
+# buffers, 201 KiB. Run 2's "2 vs 3 stages" were thus the same schedule. 3 stays the default
+# (run 2's best); 5 and 7 are swept in run 3.
+DECODE_TILE_BYTES = 128 * 128 * 2  # one stage of K (or V): 128 tokens x 128 dims x bf16
+DECODE_MAX_TILE_N = 128  # the largest measured; D=64 stays at 128 tokens (32 KiB per stage)
+DECODE_WARPS = 4
+DECODE_STAGES = 3
 
-    64 KV tokens (4 pages of 16) per step keep 32 KiB of bf16 K+V per pipeline stage in
-    flight for D=128; D=256 halves the tokens to keep the same bytes per stage.
+
+def _decode_tile(qpos: int, group: int, head_size: int) -> tuple[int, int, int, int]:
+    """(block_m, tile_n, num_warps, num_stages) of the decode kernel.
+
+    128 KV tokens per step at D <= 128 (64 KiB of bf16 K+V per pipeline stage at D = 128), 64 at
+    D = 256 (the same bytes per stage). Tiles of more than 64 rows (QPOS x group) get 8 warps
+    (not measured).
     """
     block_m = max(16, triton.next_power_of_2(qpos * group))
     head_pad = triton.next_power_of_2(head_size)
-    tile_n = 64 if head_pad <= 128 else 32
-    num_warps = 4 if block_m <= 64 else 8
-    num_stages = 3 if head_pad <= 128 else 2
-    return block_m, tile_n, num_warps, num_stages
+    tile_n = min(DECODE_MAX_TILE_N, DECODE_TILE_BYTES // (head_pad * 2))
+    num_warps = DECODE_WARPS if block_m <= 64 else 8
+    return block_m, tile_n, num_warps, DECODE_STAGES
+
+
+def kv_buffers(num_stages: int) -> int:
+    """K/V tiles Triton 3.6 keeps in shared memory for a load gathered through one level of
+    indirection: (num_stages - 1) // 2, at least 1 (observed on sm_90a: 2-4 stages 1, 5-6 2,
+    7 3)."""
+    return max(1, (num_stages - 1) // 2)
+
+
+# Per SM on Hopper: 228 KiB of shared memory (1 KiB of it reserved per block), 64 Ki registers.
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK_RESERVED = 1024
+REGS_PER_SM = 65536
+# Registers per thread of the decode kernel (ptxas -v, sm_90a, Triton 3.6: 208-255 at 4 warps
+# for tile 128 D=128, split or not): taken as 255, i.e. at most 2 programs per SM at 4 warps.
+DECODE_REGS_PER_THREAD = 255
+
+
+def decode_smem_bytes(block_m: int, tile_n: int, head_size: int, num_stages: int,
+                      kv_bytes: int) -> int:  # fmt: skip
+    """Shared memory of the decode kernel: kv_buffers x (K + V tile + block-table entries) +
+    the q tile + the P tile (matches the compiled size for tile 64/128 and 3/5/7 stages)."""
+    head_pad = triton.next_power_of_2(head_size)
+    per_buffer = tile_n * head_pad * 2 * kv_bytes + tile_n * 4
+    return kv_buffers(num_stages) * per_buffer + block_m * head_pad * 2 + block_m * tile_n * 2
+
+
+def decode_programs_per_sm(
+    block_m: int, tile_n: int, head_size: int, num_warps: int, num_stages: int, kv_bytes: int
+) -> int:
+    """Decode programs an SM holds at once: the smaller of the shared-memory and the register
+    bound (1 for 8 warps; for the bf16 default at D=128, 2: 74 KiB and ~255 registers each)."""
+    smem = decode_smem_bytes(block_m, tile_n, head_size, num_stages, kv_bytes)
+    by_smem = SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)
+    by_regs = REGS_PER_SM // (DECODE_REGS_PER_THREAD * 32 * num_warps)
+    return max(1, min(by_smem, by_regs))
+
+
+# Prefill tile at D <= 128, measured on an H200 (run 2, 2026-11-21; bf16, Hq=32, Hkv=8, D=128,
+# causal, S=8192; TFLOP/s): 128x64 4 warps 3 stages 394; 128x128 8 warps 2 stages 366; 128x64
+# 8 warps 3 stages (the previous default) 322, 4 stages 321 (the same K/V lookahead, see the
+# decode stages note); 64x64 4 warps 335; 64x128 273; 128x32 232. D=256: not measured (64 rows
+# keep Q and two K/V tiles in shared memory).
+PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
+    64: (128, 64, 4, 3),
+    128: (128, 64, 4, 3),
+    256: (64, 64, 8, 2),
+}
 
 
 def _prefill_tile(group: int, head_size: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) of the prefill kernel. Not yet measured on GPU.
-
-    128 x 64 tiles with 8 warps and 3 stages (the Triton fused-attention tutorial's Hopper
-    choice for D=128); D=256 halves the rows so Q, and 2 stages of K and V, fit in shared memory.
-    """
+    """(block_m, block_n, num_warps, num_stages) of the prefill kernel (PREFILL_TILES)."""
     head_pad = triton.next_power_of_2(head_size)
-    if head_pad <= 64:
-        block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
-    elif head_pad <= 128:
-        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
-    else:
-        block_m, block_n, num_warps, num_stages = 64, 64, 8, 2
+    bound = min(b for b in PREFILL_TILES if b >= head_pad)
+    block_m, block_n, num_warps, num_stages = PREFILL_TILES[bound]
     return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
+
+
+def split_cost(pairs: int, splits: int, slots: int) -> float:
+    """Modelled decode time of `pairs` (sequence, kv head) streams cut into `splits` programs
+    each, on `slots` program slots, in units of one whole stream: full waves of programs, each
+    1 / splits of a stream plus PROGRAM_OVERHEAD."""
+    waves = math.ceil(pairs * splits / slots)
+    return waves * (1.0 / splits + PROGRAM_OVERHEAD)
 
 
 def _num_splits(
@@ -238,24 +320,35 @@ def _num_splits(
     rows: int,
     num_q_heads: int,
     head_size: int,
+    slots: int,
     sms: int,
     workspace: AttentionWorkspace | None,
 ) -> int:
-    """Split count from the batch shape, the SM count and the workspace size (never lengths)."""
+    """Split count from the batch shape, the program slots and the workspace (never lengths).
+
+    Examples at Hkv=8 on 132 SMs, two decode programs per SM (bf16, D=128, 264 slots): B=1 ->
+    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B=16 -> 2 (256
+    programs), B=20 -> 3 (160 programs would fill one wave to 61%), B >= 32 -> 1.
+    """
     if workspace is None:
         return 1
-    programs = num_seqs * num_kv_heads
-    if programs >= NO_SPLIT_CTAS_PER_SM * sms:
+    pairs = num_seqs * num_kv_heads
+    if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
         return 1
-    want = min(math.ceil(TARGET_CTAS_PER_SM * sms / programs), workspace.max_splits)
     head_pad = triton.next_power_of_2(head_size)
     row_heads = rows * num_q_heads
     fit = min(
         workspace.partial_out.numel() // (row_heads * head_pad),
         workspace.partial_ml.numel() // (row_heads * 2),
     )
-    splits = min(want, fit, MAX_GRID_YZ)
-    return splits if splits >= 2 else 1
+    if workspace.counters.numel() < pairs:
+        fit = 1
+    best, best_cost = 1, split_cost(pairs, 1, slots)
+    for splits in range(2, min(workspace.max_splits, fit, MAX_GRID_YZ) + 1):
+        cost = split_cost(pairs, splits, slots)
+        if cost < best_cost - 1e-9:  # ties go to fewer splits
+            best, best_cost = splits, cost
+    return best
 
 
 def plan_launch(
@@ -267,15 +360,22 @@ def plan_launch(
     max_query_len: int,
     sms: int,
     workspace: AttentionWorkspace | None,
+    kv_bytes: int = 2,
 ) -> LaunchPlan:
-    """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs)."""
+    """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
+
+    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8).
+    """
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
     decode_only = max_query_len <= qpos_cap
     qpos = max(1, max_query_len) if decode_only else qpos_cap
     block_m, tile_n, num_warps, num_stages = _decode_tile(qpos, group, head_size)
+    slots = sms * decode_programs_per_sm(
+        block_m, tile_n, head_size, num_warps, num_stages, kv_bytes
+    )
     splits = _num_splits(
-        num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, sms, workspace
+        num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
     )
     decode = DecodeConfig(
         qpos=qpos,
@@ -436,6 +536,7 @@ def _run(
             max_query_len=max_query_len,
             sms=sm_count(q.device),
             workspace=workspace,
+            kv_bytes=key_cache.element_size(),
         )
     # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
     # the CPU the kernels can only be running under it.
@@ -454,6 +555,7 @@ def _run(
         v_scale,
         workspace.partial_out if workspace is not None else None,
         workspace.partial_ml if workspace is not None else None,
+        workspace.counters if workspace is not None else None,
         scale=scale,
         softcap=softcap,
         sliding_window=sliding_window,
@@ -461,6 +563,8 @@ def _run(
         block_m=dec.block_m,
         tile_n=dec.tile_n,
         num_splits=dec.num_splits,
+        fused_reduce=dec.fused_reduce,
+        head_fast=dec.head_fast,
         max_q=dec.max_q,
         num_warps=dec.num_warps,
         num_stages=dec.num_stages,
@@ -485,6 +589,7 @@ def _run(
             block_m=pre.block_m,
             block_n=pre.block_n,
             min_q=pre.min_q,
+            head_fast=pre.head_fast,
             num_warps=pre.num_warps,
             num_stages=pre.num_stages,
             upcast_dot=upcast_dot,
@@ -492,7 +597,8 @@ def _run(
 
 
 @torch.library.custom_op(
-    "fuselane::paged_attention", mutates_args=("out", "ws_partial_out", "ws_partial_ml")
+    "fuselane::paged_attention",
+    mutates_args=("out", "ws_partial_out", "ws_partial_ml", "ws_counters"),
 )
 def _paged_attention_op(
     q: torch.Tensor,
@@ -511,15 +617,17 @@ def _paged_attention_op(
     v_scale: torch.Tensor | None,
     ws_partial_out: torch.Tensor | None,
     ws_partial_ml: torch.Tensor | None,
+    ws_counters: torch.Tensor | None,
     ws_max_num_tokens: int,
     ws_max_splits: int,
 ) -> None:
-    """torch.library form of `paged_attention` (the workspace passed as its two buffers)."""
+    """torch.library form of `paged_attention` (the workspace passed as its three buffers)."""
     workspace = None
-    if ws_partial_out is not None and ws_partial_ml is not None:
+    if ws_partial_out is not None and ws_partial_ml is not None and ws_counters is not None:
         workspace = AttentionWorkspace(
             partial_out=ws_partial_out,
             partial_ml=ws_partial_ml,
+            counters=ws_counters,
             max_num_tokens=ws_max_num_tokens,
             num_q_heads=q.shape[1],
             head_size=q.shape[2],
@@ -562,6 +670,7 @@ def _paged_attention_fake(
     v_scale,
     ws_partial_out,
     ws_partial_ml,
+    ws_counters,
     ws_max_num_tokens,
     ws_max_splits,
 ) -> None:
@@ -652,6 +761,7 @@ def paged_attention(
             v_scale,
             workspace.partial_out if workspace is not None else None,
             workspace.partial_ml if workspace is not None else None,
+            workspace.counters if workspace is not None else None,
             workspace.max_num_tokens if workspace is not None else 0,
             workspace.max_splits if workspace is not None else 0,
         )

@@ -1,20 +1,28 @@
-"""Paged attention, decode side: flash-decoding over a paged KV cache, plus its split reduction.
+"""Paged attention, decode side: flash-decoding over a paged KV cache, plus its split merge.
 
 Handles the sequences of a batch whose query is short (decode rows, query_len 1, and
 speculative-verify rows, query_len 2-8). One program per (sequence, kv head, split): the
 `GROUP = Hq // Hkv` query heads of that kv head and up to `QPOS` query positions are packed into
 the rows of one tile, so every K/V tile is read from memory once for all of them. Each program
 walks its share of the sequence's KV tiles (`TILE_N` tokens, i.e. several pages, per step,
-gathered through the block table) with an fp32 online softmax in base 2, and then either writes
-the normalized output (one split) or a partial (m, l, acc) into the workspace, which
-`_splitkv_reduce_kernel` merges.
+gathered through the block table) with an fp32 online softmax in base 2. With one split it
+writes the normalized output; with several it writes a partial (m, l, acc) into the workspace,
+and the last program of its (sequence, kv head) to finish merges the partials (an atomic
+counter per (sequence, kv head), reset by that program, so the next launch finds it at zero:
+no extra launch, CUDA-graph safe). `_splitkv_reduce_kernel` is the same merge as a second
+launch (kept for comparison in the benchmark, `DecodeConfig.fused_reduce=False`).
+
+The KV loop runs in three phases per query chunk: tiles at the sliding window's left edge
+(masked), interior tiles that every query row sees whole (no mask at all: no load predicate,
+no score select), and the tiles that reach the query's own position or the sequence's end
+(masked). `_attend_tiles` is that loop body; the prefill kernel uses it too.
 
 CUDA graphs: the grid and every constexpr depend only on the batch shape. Each program reads
 its sequence's lengths on the device and derives its own KV range from them; a split whose
-range is empty still writes a neutral partial (m = -1e30, l = 0, acc = 0).
+range is empty still writes a neutral partial (m = -1e30, l = 0, acc = 0) and counts itself.
 
 The entry point, the argument checks and the torch reference are in `attention.py`; the
-prefill kernel is in `attention_prefill.py` and reuses the small helpers defined here.
+prefill kernel is in `attention_prefill.py`.
 """
 
 from __future__ import annotations
@@ -39,20 +47,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits_log2(qk, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
-    """Logits in base-2 units from raw dot products.
-
-    qk: [M, N] fp32 = q . k (k already dequantized up to its per-tensor scale, which is folded
-    into `qk_scale`). Returns log2(e) * s with s = qk_scale * qk, or with the soft cap
-    s = softcap * tanh(qk_scale * qk / softcap).
-    """
-    if USE_SOFTCAP:
-        return (softcap * LOG2E) * _tanh(qk * (qk_scale / softcap))
-    else:
-        return qk * (qk_scale * LOG2E)
-
-
-@triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b with fp32 accumulation.
 
@@ -64,6 +58,225 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 running numerator
+    l_i,  # [BLOCK_M] fp32 running denominator
+    m_i,  # [BLOCK_M] fp32 running max, base-2 logit units
+    q,  # [BLOCK_M, HEAD_PAD] q dtype
+    k_base,  # K cache pointer at this kv head
+    v_base,
+    bt_row,  # block-table row of the sequence
+    t_lo,  # KV tiles [t_lo, t_hi) of TILE_N tokens
+    t_hi,
+    q_abs,  # [BLOCK_M] int32 absolute position of each row's query token
+    seq_len,
+    qk_scale,  # fp32 softmax scale (k's fp8 scale folded in)
+    softcap,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    offs_d,  # arange(0, HEAD_PAD)
+    d_ok,  # offs_d < HEAD_SIZE
+    offs_t,  # arange(0, TILE_N)
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,  # HEAD_SIZE is a power of two: no head-dim mask
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) over the KV tiles [t_lo, t_hi).
+
+    Logits in base 2: s2 = log2(e) * s. Without soft cap s = qk_scale * qk, so the row max is
+    taken on the raw dot products and one FMA per element gives s2 - m:
+    p = exp2(qk * c - m_new) with c = qk_scale * log2(e). With soft cap
+    s = softcap * tanh(qk_scale * qk / softcap).
+    MASKED=False is the hot loop: the caller guarantees that every key of every tile is below
+    seq_len and visible to every row, so neither the loads nor the scores carry a mask.
+    """
+    c = qk_scale * LOG2E
+    for j in range(t_lo, t_hi):
+        offs_n = j * TILE_N + offs_t
+        # Block-table entries of the tile (TILE_N // PAGE distinct pages), then row addresses.
+        if MASKED:
+            n_ok = offs_n < seq_len  # slots past seq_len may hold garbage or NaN: never read
+            phys = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            phys = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+        slot = offs_n % PAGE
+        k_ptrs = k_base + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+        v_ptrs = v_base + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+        if MASKED:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+        qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], tl.float32), UPCAST_DOT)
+        if MASKED:
+            ok = offs_n[None, :] <= q_abs[:, None]  # causal; implies key < seq_len
+            if SLIDING_WINDOW > 0:
+                ok = ok & (q_abs[:, None] - offs_n[None, :] < SLIDING_WINDOW)
+        if USE_SOFTCAP:
+            s = (softcap * LOG2E) * _tanh(qk * (qk_scale / softcap))
+            if MASKED:
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            if MASKED:
+                qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * c)  # c > 0: max(c * qk) = c * max(qk)
+            p = tl.math.exp2(qk * c - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
+        acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    bt_row,
+    lo,  # this program's tiles [lo, hi)
+    hi,
+    a_lo,  # absolute positions of the first and last query token of the tile's rows
+    a_hi,
+    q_abs,
+    seq_len,
+    qk_scale,
+    softcap,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    offs_d,
+    d_ok,
+    offs_t,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """`_attend_tiles` over the tiles [lo, hi) that queries a_lo..a_hi may see, in three phases.
+
+    Keys the rows see: [kv_lo, a_hi] (kv_lo: the window start of a_lo). Keys in [full_lo, a_lo]
+    are visible to every row (causal: k <= a_lo; window: a_hi - k < W), so the tiles wholly
+    inside that range run unmasked; the tiles before it (window edge) and after it (the
+    diagonal, the only ones that can reach past seq_len) run masked. Tiles past a_hi are never
+    visited.
+    """
+    kv_lo = 0
+    full_lo = 0
+    if SLIDING_WINDOW > 0:
+        kv_lo = tl.maximum(a_lo - SLIDING_WINDOW + 1, 0)
+        full_lo = tl.maximum(a_hi - SLIDING_WINDOW + 1, 0)
+    t_lo = kv_lo // TILE_N
+    t_hi = tl.cdiv(a_hi + 1, TILE_N)
+    u_lo = tl.cdiv(full_lo, TILE_N)  # first tile that starts at or after full_lo
+    u_hi = tl.maximum(tl.minimum((a_lo + 1) // TILE_N, t_hi), u_lo)  # tiles ending <= a_lo
+    if SLIDING_WINDOW > 0:  # window edge
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(t_lo, lo),
+            tl.minimum(u_lo, hi), q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks,
+            stride_vb, stride_vs, offs_d, d_ok, offs_t, PAGE, BLOCK_M, TILE_N, True, EVEN_D,
+            SLIDING_WINDOW, USE_SOFTCAP, KV_FP8, UPCAST_DOT,
+        )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(  # interior: no mask
+        acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(u_lo, lo), tl.minimum(u_hi, hi),
+        q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+        d_ok, offs_t, PAGE, BLOCK_M, TILE_N, False, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
+        UPCAST_DOT,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(  # the diagonal and the sequence's end
+        acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(u_hi, lo), tl.minimum(t_hi, hi),
+        q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+        d_ok, offs_t, PAGE, BLOCK_M, TILE_N, True, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
+        UPCAST_DOT,
+    )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _merge_partials(
+    out_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    pbase,  # [BLOCK_M] int64: index of each row's split 0 in the partial arrays
+    out_offs,  # [BLOCK_M, HEAD_PAD] int64 offsets of each row in out
+    row_ok,  # [BLOCK_M] rows to write
+    sink,  # [BLOCK_M] fp32 sink logit in base-2 units (read only if USE_SINKS)
+    # (BLOCK_M here: the merge's rows, a power of two >= QPOS * GROUP)
+    num_splits,
+    offs_d,
+    d_ok,
+    BLOCK_M: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    RED_SPLITS: tl.constexpr,  # splits merged per step
+    USE_SINKS: tl.constexpr,
+):
+    # out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s [+ 2^(sink - M)]), M = max of all m,
+    # accumulated online over steps of RED_SPLITS splits. Loads bypass L1 (.cg): the partials
+    # were written by other programs of this launch.
+    m_run = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        m_run = sink
+        l_run = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_r = tl.arange(0, RED_SPLITS)
+    for s0 in range(0, num_splits, RED_SPLITS):
+        s_idx = s0 + offs_r
+        ok = row_ok[:, None] & (s_idx < num_splits)[None, :]
+        pidx = pbase[:, None] + s_idx[None, :]  # [BLOCK_M, RED_SPLITS]
+        m_s = tl.load(part_ml_ptr + pidx * 2, mask=ok, other=NEG_BIG, cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + pidx * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(
+            part_o_ptr + pidx[:, :, None] * HEAD_PAD + offs_d[None, None, :],
+            mask=ok[:, :, None] & d_ok[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_run, tl.max(m_s, 1))
+        alpha = tl.math.exp2(m_run - m_new)
+        w = tl.math.exp2(m_s - m_new[:, None])
+        l_run = l_run * alpha + tl.sum(w * l_s, 1)
+        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+    tl.store(
+        out_ptr + out_offs,
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
@@ -80,6 +293,7 @@ def _decode_kernel(
     v_scale_ptr,  # [1] fp32 (read only if KV_FP8)
     part_o_ptr,  # [num_seqs * QPOS, Hq, num_splits, HEAD_PAD] fp32 workspace (if SPLIT)
     part_ml_ptr,  # [num_seqs * QPOS, Hq, num_splits, 2] fp32 workspace: (m, l) in base 2
+    counter_ptr,  # [num_seqs * Hkv] int32 workspace, zero between launches (if FUSED_REDUCE)
     scale,  # fp32 softmax scale
     softcap,  # fp32, used only if USE_SOFTCAP
     num_splits,  # programs per (sequence, kv head); 1 unless SPLIT
@@ -102,7 +316,11 @@ def _decode_kernel(
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE
     PAGE: tl.constexpr,  # KV-cache block size
     TILE_N: tl.constexpr,  # KV tokens per loop step
-    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduction
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials and merge them
+    FUSED_REDUCE: tl.constexpr,  # the last split of a (sequence, kv head) merges (else a launch)
+    MERGE_M: tl.constexpr,  # rows of the fused merge: next power of two >= QPOS * GROUP
+    RED_SPLITS: tl.constexpr,  # splits merged per step of the fused merge
+    HEAD_FAST: tl.constexpr,  # grid (Hkv, num_seqs, splits) instead of (num_seqs, Hkv, splits)
     MAX_Q: tl.constexpr,  # query_len > MAX_Q: the prefill kernel's sequence (0: no limit)
     SLIDING_WINDOW: tl.constexpr,  # 0: off; else query p sees keys k with p - k < SLIDING_WINDOW
     USE_SOFTCAP: tl.constexpr,
@@ -110,8 +328,12 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_FAST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     q_start = tl.load(cu_q_ptr + seq)
@@ -134,8 +356,10 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     offs_t = tl.arange(0, TILE_N)
     d_ok = offs_d < HEAD_SIZE
+    EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_PAD
     row_in = offs_m < QPOS * GROUP
     head = kv_head * GROUP + offs_m % GROUP  # always a valid head index, padding rows included
+    sink = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
 
@@ -170,29 +394,23 @@ def _decode_kernel(
             other=0.0,
         )
         q_abs = ctx + pos  # absolute position of each row's query token
-
-        # Tiles this chunk needs: its first token's window start .. its last token.
-        first_abs = ctx + c * QPOS
-        last_abs = ctx + tl.minimum(c * QPOS + QPOS, q_len) - 1
-        chunk_lo = 0
-        if SLIDING_WINDOW > 0:
-            chunk_lo = tl.maximum(first_abs - SLIDING_WINDOW + 1, 0) // TILE_N
-        chunk_hi = tl.cdiv(last_abs + 1, TILE_N)
+        a_lo = ctx + c * QPOS  # first and last query token of the chunk
+        a_hi = ctx + tl.minimum(c * QPOS + QPOS, q_len) - 1
         if not SPLIT:
-            t_lo = chunk_lo
-            t_hi = chunk_hi
+            lo = 0
+            hi = tile_hi
             direct = True
         else:
-            t_lo = tl.where(c == 0, tl.maximum(split_lo, chunk_lo), chunk_lo)
-            t_hi = tl.where(c == 0, tl.minimum(split_hi, chunk_hi), chunk_hi)
-            t_hi = tl.where((c > 0) & (split > 0), t_lo, t_hi)
+            lo = tl.where(c == 0, split_lo, 0)
+            hi = tl.where(c == 0, split_hi, tile_hi)
+            hi = tl.where((c > 0) & (split > 0), lo, hi)
             direct = c > 0
 
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if USE_SINKS:
             # The sink joins the denominator once: here when this program writes the final
-            # output, otherwise in the reduction.
+            # output, otherwise in the merge.
             if not SPLIT:
                 m_i = sink
                 l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -200,40 +418,11 @@ def _decode_kernel(
                 m_i = tl.where(direct, sink, m_i)
                 l_i = tl.where(direct, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-
-        for j in range(t_lo, t_hi):
-            offs_n = j * TILE_N + offs_t
-            n_ok = offs_n < seq_len  # slots past seq_len may hold garbage or NaN: never read
-            phys = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            slot = offs_n % PAGE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_base + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q.dtype)
-            qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), UPCAST_DOT)
-            s = _logits_log2(qk, qk_scale, softcap, USE_SOFTCAP)
-            # causal (key <= query position; implies key < seq_len) and the sliding window
-            ok = offs_n[None, :] <= q_abs[:, None]
-            if SLIDING_WINDOW > 0:
-                ok = ok & (q_abs[:, None] - offs_n[None, :] < SLIDING_WINDOW)
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                v = v.to(q.dtype)
-            acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
-            m_i = m_new
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, lo, hi, a_lo, a_hi, q_abs, seq_len,
+            qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, offs_t,
+            PAGE, BLOCK_M, TILE_N, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8, UPCAST_DOT,
+        )  # fmt: skip
 
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)
@@ -260,6 +449,37 @@ def _decode_kernel(
             tl.store(part_ml_ptr + pidx * 2, m_i, mask=store_part)
             tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=store_part)
 
+    if SPLIT:
+        if FUSED_REDUCE:
+            # Release: every thread's partial stores are ordered before the counter increment
+            # (CTA barrier, then a gpu-scope acq_rel atomic). The program that brings the
+            # counter to num_splits sees all partials (acquire), merges them and resets the
+            # counter for the next launch.
+            tl.debug_barrier()
+            cnt_ptr = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
+            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                # Rows of the merge: the chunk-0 (position, head) pairs only, not the tile's
+                # padding, so one step can hold many splits.
+                offs_r = tl.arange(0, MERGE_M)
+                r_pos = offs_r // GROUP
+                r_head = kv_head * GROUP + offs_r % GROUP
+                r_ok = (offs_r < QPOS * GROUP) & (r_pos < q_len)
+                r_pos = tl.minimum(r_pos, q_len - 1)
+                r_sink = tl.zeros([MERGE_M], dtype=tl.float32)
+                if USE_SINKS:
+                    r_sink = tl.load(sinks_ptr + r_head).to(tl.float32) * LOG2E
+                r_tok = (q_start + r_pos).to(tl.int64)
+                r_offs_d = tl.arange(0, HEAD_PAD)
+                pbase = ((seq.to(tl.int64) * QPOS + r_pos) * NUM_Q_HEADS + r_head) * num_splits
+                _merge_partials(
+                    out_ptr, part_o_ptr, part_ml_ptr, pbase,
+                    r_tok[:, None] * stride_ot + r_head[:, None] * stride_oh + r_offs_d[None, :],
+                    r_ok, r_sink, num_splits, r_offs_d, r_offs_d < HEAD_SIZE, MERGE_M, HEAD_PAD,
+                    RED_SPLITS, USE_SINKS,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
 
 @triton.jit
 def _splitkv_reduce_kernel(
@@ -279,7 +499,7 @@ def _splitkv_reduce_kernel(
     MAX_Q: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
-    # out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s [+ 2^(sink - M)]), M = max of all m.
+    # The merge of `_merge_partials` as its own launch, grid (num_seqs, Hq).
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + seq)
@@ -320,6 +540,11 @@ def _splitkv_reduce_kernel(
         )
 
 
+# Elements of one step of the fused merge ([rows, splits, head] fp32): 64 per thread at 4
+# warps; 16 splits of a GQA-4 decode row at D=128 in one step.
+MERGE_STEP_ELEMENTS = 8192
+
+
 def launch_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -333,6 +558,7 @@ def launch_decode(
     v_scale: torch.Tensor | None,
     part_o: torch.Tensor | None,
     part_ml: torch.Tensor | None,
+    counters: torch.Tensor | None,
     *,
     scale: float,
     softcap: float,
@@ -341,25 +567,36 @@ def launch_decode(
     block_m: int,
     tile_n: int,
     num_splits: int,
+    fused_reduce: bool,
+    head_fast: bool,
     max_q: int,
     num_warps: int,
     num_stages: int,
     upcast_dot: bool,
 ) -> None:
-    """Launch the decode kernel (and the split reduction when num_splits > 1).
+    """Launch the decode kernel (and, with splits and fused_reduce=False, the split reduction).
 
     Arguments are already validated by `attention.paged_attention`; the config comes from
     `attention.plan_launch` and depends only on shapes. `part_o` / `part_ml` are flat fp32
-    workspace views large enough for `num_seqs * qpos * Hq * num_splits` partial rows.
+    workspace views large enough for `num_seqs * qpos * Hq * num_splits` partial rows,
+    `counters` an int32 workspace of at least `num_seqs * Hkv` zeros (left at zero).
     """
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     head_pad = triton.next_power_of_2(head_size)
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    split = num_splits > 1
+    fused = split and fused_reduce
+    merge_m = triton.next_power_of_2(qpos * (num_q_heads // num_kv_heads))
+    red_splits = max(1, min(triton.next_power_of_2(num_splits),
+                            MERGE_STEP_ELEMENTS // (merge_m * head_pad)))  # fmt: skip
     # Unused pointer arguments get a valid tensor: the constexpr switches keep them unread.
     dummy = seq_lens
-    grid = (num_seqs, num_kv_heads, num_splits)
+    if head_fast:
+        grid = (num_kv_heads, num_seqs, num_splits)
+    else:
+        grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
         q,
         key_cache,
@@ -371,8 +608,9 @@ def launch_decode(
         sinks if sinks is not None else dummy,
         k_scale if kv_fp8 else dummy,
         v_scale if kv_fp8 else dummy,
-        part_o if num_splits > 1 else dummy,
-        part_ml if num_splits > 1 else dummy,
+        part_o if split else dummy,
+        part_ml if split else dummy,
+        counters if fused else dummy,
         scale,
         softcap if softcap > 0 else 1.0,
         num_splits,
@@ -395,7 +633,11 @@ def launch_decode(
         HEAD_PAD=head_pad,
         PAGE=key_cache.shape[1],
         TILE_N=tile_n,
-        SPLIT=num_splits > 1,
+        SPLIT=split,
+        FUSED_REDUCE=fused,
+        MERGE_M=merge_m,
+        RED_SPLITS=red_splits,
+        HEAD_FAST=head_fast,
         MAX_Q=max_q,
         SLIDING_WINDOW=sliding_window,
         USE_SOFTCAP=softcap > 0,
@@ -405,7 +647,7 @@ def launch_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if split and not fused:
         _splitkv_reduce_kernel[(num_seqs, num_q_heads)](
             out,
             cu_seqlens_q,

@@ -10,8 +10,11 @@ cu_seqlens_q[s] // BLOCK_Q + s), so a mixed batch needs no host-side plan and no
 
 Causal work is bounded, not masked: the key loop of a q block stops at its last query token,
 and only the tiles that cross the diagonal (or the sliding window's left edge) build a mask;
-the tiles in between run mask-free. Within a sequence the programs take the q blocks from the
-last (heaviest) to the first so that the lightest blocks fill the tail of the launch.
+the tiles in between run mask-free (`attention_decode._attend_range`, shared with the decode
+kernel). Within a sequence the programs take the q blocks from the last (heaviest) to the first
+so that the lightest blocks fill the tail of the launch; with `HEAD_FAST` the kv head is the
+fast grid axis, so every head's heaviest blocks go first (the default keeps one head's blocks
+together, sharing its K/V in L2).
 """
 
 from __future__ import annotations
@@ -20,87 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import LOG2E, NEG_BIG, _logits_log2, _mma
+from .attention_decode import LOG2E, NEG_BIG, _attend_range
 
-
-@triton.jit
-def _prefill_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    bt_row,
-    t_lo,
-    t_hi,
-    q_abs,
-    seq_len,
-    qk_scale,
-    softcap,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    offs_d,
-    d_ok,
-    offs_t,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    """Online-softmax update of (acc, l_i, m_i) over the KV tiles [t_lo, t_hi).
-
-    MASKED=False is the hot loop: every key of every tile is visible to every row (the caller
-    guarantees it), so neither the loads nor the scores carry a mask.
-    """
-    for j in range(t_lo, t_hi):
-        offs_n = j * BLOCK_N + offs_t
-        if MASKED:
-            n_ok = offs_n < seq_len  # slots past seq_len may hold garbage or NaN: never read
-            phys = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        else:
-            phys = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
-        slot = offs_n % PAGE
-        k_ptrs = k_base + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-        v_ptrs = v_base + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
-        if MASKED:
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST_DOT)
-        s = _logits_log2(qk, qk_scale, softcap, USE_SOFTCAP)
-        if MASKED:
-            ok = offs_n[None, :] <= q_abs[:, None]  # causal; implies key < seq_len
-            if SLIDING_WINDOW > 0:
-                ok = ok & (q_abs[:, None] - offs_n[None, :] < SLIDING_WINDOW)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
-        m_i = m_new
-    return acc, l_i, m_i
+# Largest grid extent on CUDA's second axis.
+MAX_GRID_YZ = 65535
 
 
 @triton.jit
@@ -141,10 +67,15 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HEAD_FAST: tl.constexpr,  # grid (Hkv, q blocks) instead of (q blocks, Hkv)
     UPCAST_DOT: tl.constexpr,
 ):
-    qb_global = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_FAST:
+        kv_head = tl.program_id(0)
+        qb_global = tl.program_id(1)
+    else:
+        qb_global = tl.program_id(0)
+        kv_head = tl.program_id(1)
 
     # Largest seq with cu[seq] // BLOCK_Q + seq <= qb_global (binary search, as vLLM's
     # find_seq_idx): the grid's upper bound num_tokens // BLOCK_Q + num_seqs covers every block.
@@ -199,42 +130,17 @@ def _prefill_kernel(
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
-    # Keys of this block: [kv_lo, a_hi]. Keys in [full_lo, a_lo] are visible to every row
-    # (causal: k <= a_lo <= each row; window: a_hi - k < W), so their tiles need no mask.
-    a_lo = ctx + p0
-    a_hi = ctx + p_last
-    kv_lo = 0
-    full_lo = 0
-    if SLIDING_WINDOW > 0:
-        kv_lo = tl.maximum(a_lo - SLIDING_WINDOW + 1, 0)
-        full_lo = tl.maximum(a_hi - SLIDING_WINDOW + 1, 0)
-    t_lo = kv_lo // BLOCK_N
-    t_hi = tl.cdiv(a_hi + 1, BLOCK_N)
-    u_lo = tl.cdiv(full_lo, BLOCK_N)  # first tile that starts at or after full_lo
-    u_hi = tl.maximum(tl.minimum((a_lo + 1) // BLOCK_N, t_hi), u_lo)  # tiles ending <= a_lo
-
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_PAD
-    if SLIDING_WINDOW > 0:  # tiles at the window's left edge
-        acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, k_base, v_base, bt_row, t_lo, u_lo, q_abs, seq_len, qk_scale,
-            softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, offs_t,
-            PAGE, BLOCK_M, BLOCK_N, True, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
-            UPCAST_DOT,
-        )  # fmt: skip
-    acc, l_i, m_i = _prefill_tiles(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, u_lo, u_hi, q_abs, seq_len, qk_scale,
-        softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, offs_t,
-        PAGE, BLOCK_M, BLOCK_N, False, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
-        UPCAST_DOT,
-    )  # fmt: skip
-    acc, l_i, m_i = _prefill_tiles(  # tiles crossing the diagonal
-        acc, l_i, m_i, q, k_base, v_base, bt_row, u_hi, t_hi, q_abs, seq_len, qk_scale,
-        softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, offs_t,
-        PAGE, BLOCK_M, BLOCK_N, True, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
-        UPCAST_DOT,
+    # Keys of the block's queries ctx + p0 .. ctx + p_last: window edge and diagonal tiles
+    # masked, the interior unmasked; tiles above the diagonal are never visited.
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, 0, tl.cdiv(seq_len, BLOCK_N), ctx + p0,
+        ctx + p_last, q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb,
+        stride_vs, offs_d, d_ok, offs_t, PAGE, BLOCK_M, BLOCK_N, EVEN_D, SLIDING_WINDOW,
+        USE_SOFTCAP, KV_FP8, UPCAST_DOT,
     )  # fmt: skip
 
     if KV_FP8:
@@ -265,6 +171,7 @@ def launch_prefill(
     block_m: int,
     block_n: int,
     min_q: int,
+    head_fast: bool,
     num_warps: int,
     num_stages: int,
     upcast_dot: bool,
@@ -278,7 +185,9 @@ def launch_prefill(
     block_q = block_m // group
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     dummy = seq_lens
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
+    grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
     _prefill_kernel[grid](
         q,
         key_cache,
@@ -316,6 +225,7 @@ def launch_prefill(
         USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None,
         KV_FP8=kv_fp8,
+        HEAD_FAST=head_fast,
         UPCAST_DOT=upcast_dot,
         num_warps=num_warps,
         num_stages=num_stages,

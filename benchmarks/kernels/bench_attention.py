@@ -15,8 +15,11 @@ Order of work, all in one process on one device:
      not timed for fuselane), then times fuselane and every peer on the same inputs by
      CUDA-graph replay (`harness.time_graph`; `time_eager` with a note if a peer cannot be
      captured);
-  4. sweeps: the decode kernel at other (tile, warps, stages, splits) and the prefill kernel at
-     other (block_m, block_n, warps, stages) than the launch rule picks, to fill the rule;
+  4. sweeps, at every decode case and prefill length, in SWEEP_ORDER until BUDGET_S: the decode
+     kernel at other (tile, stages, splits, merge as a 2nd launch, grid order) and the prefill
+     kernel at other (block_m, block_n, warps, stages, grid order) than the launch rule picks,
+     each checked against the reference before timing, and fuselane's outputs checked again
+     after the graph replays (a race in the fused split merge would show there);
   5. GOAL lines (issue 3's targets), then the table; JSON to --out and benchmarks/results/.
 
 Workload (Llama-3-8B attention, as ../shared/anchors): Hq=32, Hkv=8, D=128, page 16, bf16,
@@ -66,8 +69,9 @@ PREFILL_LENS = (4096, 8192, 16384)
 MIXED_DECODES, MIXED_CHUNKS, MIXED_CHUNK, MIXED_SEQ_LEN = 60, 4, 512, 4096
 # KV pool: enough pages for the largest decode case (128 x 8192 tokens = 4.3 GB in bf16)
 POOL_PAGES = max(b * ctx for b, ctx in DECODE_CASES) // PAGE + 256
-# Split-KV workspace of the benchmark: room for 64 splits of 64 query rows (sweeps included)
-WS_ROWS, WS_SPLITS = 64, 64
+# Split-KV workspace of the benchmark: room for 64 splits of 256 query rows (sweeps included:
+# B=256 with 2 splits), 268 MB
+WS_ROWS, WS_SPLITS = 256, 64
 # vLLM TRITON_ATTN's scratch for its 3-D (split) path, as triton_attn.py sizes it
 VLLM_SEQ_THRESHOLD_3D = 128 // HKV
 VLLM_SEGMENTS = 16
@@ -82,25 +86,45 @@ GOAL_OVER_FI_PREFILL = 0.9  # prefill TFLOP/s vs FlashInfer
 DEVICE = "cuda"  # a module constant so that the script's logic can be dry-run elsewhere
 BUDGET_S = 270.0  # sweeps are skipped past this many seconds (a run must stay under 5 minutes)
 
-DECODE_SWEEP = [  # (tile_n, num_warps, num_stages)
-    (32, 4, 3),
-    (64, 4, 2),
-    (64, 4, 4),
-    (64, 8, 3),
-    (128, 4, 2),
-    (128, 4, 3),
-    (128, 8, 3),
+# Sweeps (after every goal case; run 3 candidates). Decode: changes to the rule's DecodeConfig
+# (tile 128, 4 warps, 3 stages = no K/V prefetch, 2 programs per SM, fused merge, seq-major
+# grid). Gathered K/V get (num_stages - 1) // 2 buffers: 5 stages = one tile in flight during
+# compute (1 program per SM at tile 128), 7 = two (1 per SM); tile 64 with 7 stages = two tiles
+# in flight and 2 programs per SM. Splits are paired with the stages so that a point fills one
+# wave of its own program slots.
+DECODE_SWEEP_LARGE_B = [
+    dict(num_stages=5),
+    dict(num_stages=7),
+    dict(tile_n=64, num_stages=7),
+    dict(head_fast=True),  # kv head fastest: the programs of one sequence run together
 ]
-DECODE_SWEEP_SPLITS = {1: (16, 32), 16: (2, 4, 8), 64: (2,)}
-PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 128, 8, 2),
-    (128, 64, 4, 3),
-    (128, 32, 8, 3),
-    (128, 64, 8, 4),
-    (64, 64, 4, 3),
-    (64, 128, 4, 2),
+DECODE_SWEEP = {
+    1: [dict(num_splits=16, num_stages=5), dict(num_splits=16, num_stages=7),
+        dict(tile_n=64, num_stages=7), dict(head_fast=True), dict(fused_reduce=False)]
+    + [dict(num_splits=n) for n in (16, 24, 48, 64)],
+    16: [dict(num_splits=1), dict(num_splits=1, num_stages=5), dict(num_splits=1, num_stages=7),
+         dict(tile_n=64, num_stages=7), dict(num_splits=4), dict(fused_reduce=False),
+         dict(head_fast=True)],
+    64: [*DECODE_SWEEP_LARGE_B, dict(num_splits=2)],
+    128: [*DECODE_SWEEP_LARGE_B, dict(num_splits=2)],
+    256: DECODE_SWEEP_LARGE_B,
+}  # fmt: skip
+# Prefill: (block_m, block_n, num_warps, num_stages, head_fast) at every prefill length; the
+# rule picks 128x64, 4 warps, 3 stages, head-major grid. With wgmma the pipeliner keeps one more
+# K/V buffer than for mma.sync, but at 3 stages still waits for every copy at the top of each
+# iteration (async_wait num=0); 5 stages keep one tile in flight (3 buffers, 129 KiB).
+PREFILL_SWEEP = [
+    (128, 64, 4, 5, False),  # K/V one tile in flight during compute
+    (128, 64, 4, 3, True),
+    (256, 64, 8, 3, False),  # two warpgroups of 128 rows share each K/V tile
+    (256, 64, 8, 5, False),
+    (128, 128, 8, 3, False),
+    (128, 128, 8, 5, False),  # 225 KiB of shared memory (of 227 per block)
+    (64, 64, 4, 5, False),
 ]
-PREFILL_SWEEP_LEN = 8192
+# Order of the sweeps when the time budget may cut them: most informative first.
+SWEEP_ORDER = [("decode", 1), ("decode", 16), ("prefill", 8192), ("decode", 128),
+               ("decode", 256), ("prefill", 16384), ("decode", 64), ("prefill", 4096)]  # fmt: skip
 
 
 def decode_case(batch: int, ctx: int) -> str:
@@ -421,7 +445,7 @@ class Runner:
             rate = f"{row.tbps:7.3f} TB/s"
         elif row.tflops is not None:
             rate = f"{row.tflops:7.1f} TFLOP/s"
-        print(f"  {section:<10} {case:<44} {impl:<44} {ms * 1e3:10.2f} us {rate}", flush=True)
+        print(f"  {section:<10} {case:<44} {impl:<52} {ms * 1e3:10.2f} us {rate}", flush=True)
         return ms
 
 
@@ -479,15 +503,21 @@ def default_plan(p: Problem, run: Runner) -> attn.LaunchPlan:
         max_query_len=max(p.q_lens),
         sms=attn.sm_count(p.q.device),
         workspace=run.workspace,
+        kv_bytes=p.kv.element_size(),
     )
 
 
 def plan_extra(plan: attn.LaunchPlan) -> dict:
     d = plan.decode
-    extra = {"decode": f"splits={d.num_splits} tile={d.tile_n} w={d.num_warps} s={d.num_stages}"}
+    extra = {
+        "decode": f"splits={d.num_splits} tile={d.tile_n} w={d.num_warps} s={d.num_stages} "
+        f"fused={d.fused_reduce} head_fast={d.head_fast}"
+    }
     if plan.prefill is not None:
         f = plan.prefill
-        extra["prefill"] = f"{f.block_m}x{f.block_n} w={f.num_warps} s={f.num_stages}"
+        extra["prefill"] = (
+            f"{f.block_m}x{f.block_n} w={f.num_warps} s={f.num_stages} head_fast={f.head_fast}"
+        )
     return extra
 
 
@@ -570,7 +600,16 @@ def decode_bytes(p: Problem) -> int:
     return kv + 2 * p.q.numel() * p.q.element_size()
 
 
-def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps: list) -> None:
+def recheck(run: Runner, label: str, out: torch.Tensor, expected: Expected) -> None:
+    """Compare `out` again after timing: it holds the last graph replay's output, so a race
+    (e.g. in the fused split merge) or a counter left non-zero shows up here."""
+    ok, detail = expected.check(out)
+    if not ok:
+        print(f"  WRONG after replays {label}: {detail}", flush=True)
+        run.peers.note(f"{label}: output after graph replays differs from the reference: {detail}")
+
+
+def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps: dict) -> None:
     """Time one decode case; queue its sweep (run after every case) in `sweeps`."""
     section, case = "decode", decode_case(batch, ctx)
     p = make_problem([1] * batch, [ctx] * batch, gen, kv=pool)
@@ -583,6 +622,7 @@ def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps:
         run.peers.note(f"{section} {case}: fuselane not timed (GPU check failed)")
     elif verify(run, f"{section} {case} fuselane", fn, out, expected):
         run.time(section, case, "fuselane", fn, nbytes=nbytes, extra=plan_extra(plan))
+        recheck(run, f"{section} {case} fuselane", out, expected)
     peers = run.peers
     if peers.vllm is not None:
         o = nan_like(p.q)
@@ -598,8 +638,18 @@ def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps:
         else:
             if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
                 run.time(section, case, "flashinfer", f, nbytes=nbytes)
-    if ok and batch in DECODE_SWEEP_SPLITS:
-        sweeps.append(lambda: bench_decode_sweep(run, p, plan, nbytes, expected))
+    if ok:
+        sweeps[("decode", batch)] = lambda: bench_decode_sweep(run, p, plan, nbytes, expected)
+
+
+def decode_label(dec: attn.DecodeConfig) -> str:
+    flags = ("" if dec.fused_reduce or dec.num_splits == 1 else ",unfused") + (
+        ",head_fast" if dec.head_fast else ""
+    )
+    return (
+        f"fuselane[tile={dec.tile_n},w={dec.num_warps},s={dec.num_stages},"
+        f"splits={dec.num_splits}{flags}]"
+    )
 
 
 def bench_decode_sweep(run: Runner, p: Problem, plan, nbytes: int, expected: Expected) -> None:
@@ -607,25 +657,25 @@ def bench_decode_sweep(run: Runner, p: Problem, plan, nbytes: int, expected: Exp
     out = nan_like(p.q)
     run.time(section, case, "fuselane", fuselane_fn(run, p, out), nbytes=nbytes,
              extra=plan_extra(plan))  # fmt: skip
-    points = [dataclasses.replace(plan.decode, tile_n=t, num_warps=w, num_stages=s)
-              for t, w, s in DECODE_SWEEP]  # fmt: skip
-    points += [dataclasses.replace(plan.decode, num_splits=n)
-               for n in DECODE_SWEEP_SPLITS[len(p.lens)]]  # fmt: skip
+    changes = DECODE_SWEEP.get(len(p.lens), DECODE_SWEEP_LARGE_B)
+    points = []
+    for change in changes:
+        dec = dataclasses.replace(plan.decode, **change)
+        if dec != plan.decode and dec not in points:
+            points.append(dec)
     for dec in points:
         if run.elapsed() > BUDGET_S:
             run.peers.note(f"{section}: time budget spent, rest of the sweep skipped")
             return
-        label = (
-            f"fuselane[tile={dec.tile_n},w={dec.num_warps},s={dec.num_stages},"
-            f"splits={dec.num_splits}]"
-        )
+        label = decode_label(dec)
         sweep_plan = dataclasses.replace(plan, decode=dec)
         fn = fuselane_fn(run, p, out, sweep_plan)
         if verify(run, f"{section} {case} {label}", fn, out, expected):
             run.time(section, case, label, fn, nbytes=nbytes, extra=plan_extra(sweep_plan))
+            recheck(run, f"{section} {case} {label}", out, expected)
 
 
-def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: list) -> None:
+def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> None:
     """Time one prefill case; queue its sweep (run after every case) in `sweeps`."""
     section, case = "prefill", prefill_case(seq)
     p = make_problem([seq], [seq], gen, kv=pool)
@@ -674,8 +724,8 @@ def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: list) -> N
         f = peers.vllm_fn(p, o)
         if verify(run, f"{section} {case} vllm", f, o, expected) is not None:
             run.time(section, case, "vllm-triton-unified", f, flops=flops)
-    if ok and seq == PREFILL_SWEEP_LEN:
-        sweeps.append(lambda: bench_prefill_sweep(run, p, plan, flops, expected))
+    if ok:
+        sweeps[("prefill", seq)] = lambda: bench_prefill_sweep(run, p, plan, flops, expected)
 
 
 def bench_prefill_sweep(run: Runner, p: Problem, plan, flops: float, expected: Expected) -> None:
@@ -683,13 +733,16 @@ def bench_prefill_sweep(run: Runner, p: Problem, plan, flops: float, expected: E
     out = nan_like(p.q)
     run.time(section, case, "fuselane", fuselane_fn(run, p, out), flops=flops,
              extra=plan_extra(plan))  # fmt: skip
-    for bm, bn, w, s in PREFILL_SWEEP:
+    for bm, bn, w, s, head_fast in PREFILL_SWEEP:
         if run.elapsed() > BUDGET_S:
             run.peers.note(f"{section}: time budget spent, rest of the sweep skipped")
             return
-        pre = dataclasses.replace(plan.prefill, block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        pre = dataclasses.replace(plan.prefill, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                                  head_fast=head_fast)  # fmt: skip
+        if pre == plan.prefill:
+            continue
         sweep_plan = dataclasses.replace(plan, prefill=pre)
-        label = f"fuselane[{bm}x{bn},w={w},s={s}]"
+        label = f"fuselane[{bm}x{bn},w={w},s={s}{',head_fast' if head_fast else ''}]"
         fn = fuselane_fn(run, p, out, sweep_plan)
         if verify(run, f"{section} {case} {label}", fn, out, expected):
             run.time(section, case, label, fn, flops=flops, extra=plan_extra(sweep_plan))
@@ -726,6 +779,20 @@ def bench_mixed(run: Runner, pool, ok: bool, gen) -> None:
         else:
             if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
                 run.time(section, case, "flashinfer", f, flops=flops)
+
+
+def run_sweeps(run: Runner, sweeps: dict) -> None:
+    """The queued sweeps in SWEEP_ORDER (then any other); one failing sweep skips only itself."""
+    order = [key for key in SWEEP_ORDER if key in sweeps]
+    order += [key for key in sweeps if key not in order]
+    for key in order:
+        try:
+            sweeps[key]()
+        except Exception as e:  # noqa: BLE001 - keep the other sweeps
+            run.peers.note(f"sweep {key} failed: {e!r}")
+            traceback.print_exc()
+            torch.cuda.synchronize()
+        print(f"  [{run.elapsed():.0f} s] sweep {key[0]} {key[1]} done", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -842,14 +909,15 @@ def main() -> int:
     prefill_lens = (4096,) if args.quick else PREFILL_LENS
     pool = make_pool(POOL_PAGES, PAGE, HKV, D, DTYPE)
     print(f"KV pool: {pool.numel() * pool.element_size() / 1e9:.2f} GB", flush=True)
-    sweeps: list[Callable[[], None]] = []
+    sweeps: dict[tuple[str, int], Callable[[], None]] = {}
     sections = [
         lambda b=b, c=c: bench_decode(run, pool, b, c, ok, gen, sweeps) for b, c in decode_cases
     ]
     sections += [lambda s=s: bench_prefill(run, pool, s, ok, gen, sweeps) for s in prefill_lens]
     sections.append(lambda: bench_mixed(run, pool, ok, gen))
     # the sweeps last: the time budget may cut them, never a goal case
-    sections.append(lambda: [sweep() for sweep in sweeps if not (args.quick or args.no_sweep)])
+    if not (args.quick or args.no_sweep):
+        sections.append(lambda: run_sweeps(run, sweeps))
     for section in sections:
         try:
             section()

@@ -1,16 +1,20 @@
 """kernels/attention.py: paged attention against its fp32 torch reference.
 
-Runs under Triton's interpreter on the CPU. Every batch is built the way vLLM hands it over:
-caches that are strided views of one KV tensor (K and V interleaved per head, or head-major),
-a random page permutation, block 0 as the null block that unused block-table entries point at,
-queries as views of a fused QKV output. Everything the kernel must not read is NaN: the null
-block, spare blocks, and the slots past seq_len in each sequence's last page. `out` is NaN
-before every call, and its rows past cu_seqlens_q[-1] (CUDA-graph padding) must still be NaN
-after it.
+Runs under Triton's interpreter on the CPU, and on the GPU as it is (`tests.device.DEVICE`):
+inputs are drawn on the CPU from seeded generators and moved to DEVICE, so both see the same
+numbers, and on a GPU the compiled kernels are what is tested (the fused split merge's atomics
+included); no test here depends on the interpreter. Every batch is built the way vLLM hands it
+over: caches that are strided views of one KV tensor (K and V interleaved per head, or
+head-major), a random page permutation, block 0 as the null block that unused block-table
+entries point at, queries as views of a fused QKV output. Everything the kernel must not read
+is NaN: the null block, spare blocks, and the slots past seq_len in each sequence's last page.
+`out` is NaN before every call, and its rows past cu_seqlens_q[-1] (CUDA-graph padding) must
+still be NaN after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -27,6 +31,7 @@ from fuselane.kernels.attention import (
     paged_attention_reference,
 )
 from tests.allclose import assert_close
+from tests.device import DEVICE
 
 FP8_NAN_BYTE = 0x7F
 PAD_ROWS = 3  # rows of q / out past cu_seqlens_q[-1]
@@ -60,7 +65,9 @@ def make_batch(
     layout: str = "nhd",
     seed: int = 0,
 ) -> dict:
-    """Inputs of one call (keys named as paged_attention's arguments) plus `num_rows`."""
+    """Inputs of one call (keys named as paged_attention's arguments) plus `num_rows`.
+
+    Drawn on the CPU from a seeded generator, then moved to DEVICE (views taken there)."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or q_dtype
     assert all(s >= q for q, s in zip(q_lens, seq_lens, strict=True))
@@ -93,6 +100,7 @@ def make_batch(
     else:
         base = base.to(kv_dtype)
         base.masked_fill_(poison_mask(poison, layout, base.shape), float("nan"))
+    base = base.to(DEVICE)
     if layout == "nhd":
         key_cache, value_cache = base.split(D, dim=-1)
     else:
@@ -101,22 +109,23 @@ def make_batch(
     num_rows = sum(q_lens)
     # q: a view of a fused QKV projection output (row stride (Hq + 2 Hkv) * D)
     qkv = torch.randn(num_rows + PAD_ROWS, (num_q_heads + 2 * H) * D, generator=gen)
-    q = qkv.to(q_dtype)[:, : num_q_heads * D].view(num_rows + PAD_ROWS, num_q_heads, D)
+    qkv = qkv.to(DEVICE, q_dtype)
+    q = qkv[:, : num_q_heads * D].view(num_rows + PAD_ROWS, num_q_heads, D)
     cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()])
     args = dict(
         q=q,
         key_cache=key_cache,
         value_cache=value_cache,
-        cu_seqlens_q=cu.to(torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
+        cu_seqlens_q=cu.to(DEVICE, torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_table=block_table.to(DEVICE),
         max_query_len=max(q_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         scale=1.0 / math.sqrt(D),
     )
     if kv_dtype == FP8_E4M3:
-        args["k_scale"] = torch.tensor([0.37], dtype=torch.float32)
-        args["v_scale"] = torch.tensor([0.61], dtype=torch.float32)
+        args["k_scale"] = torch.tensor([0.37], dtype=torch.float32, device=DEVICE)
+        args["v_scale"] = torch.tensor([0.61], dtype=torch.float32, device=DEVICE)
     args["num_rows"] = num_rows
     return args
 
@@ -129,27 +138,58 @@ def poison_mask(poison: torch.Tensor, layout: str, shape: torch.Size) -> torch.T
 
 
 def nan_out(q: torch.Tensor) -> torch.Tensor:
-    return torch.full(q.shape, float("nan"), dtype=q.dtype)
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
 
 
-def run_case(batch: dict, *, workspace=None, **options) -> torch.Tensor:
-    """Kernel vs reference on `batch`; returns the kernel's output."""
+def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tensor:
+    """Kernel vs reference on `batch`; returns the kernel's output.
+
+    plan: a `LaunchPlan` to launch instead of the rule's (through `attention._run`, as the
+    benchmark's sweeps do). With a workspace, its split counters must be back at zero after.
+    """
     batch = dict(batch)
     num_rows = batch.pop("num_rows")
     q = batch["q"]
     out = nan_out(q)
     expected = nan_out(q)
     paged_attention_reference(out=expected, **batch, **options)
-    result = paged_attention(out=out, **batch, workspace=workspace, **options)
-    assert result is out
+    if plan is None:
+        result = paged_attention(out=out, **batch, workspace=workspace, **options)
+        assert result is out
+    else:
+        attn._run(
+            q, batch["key_cache"], batch["value_cache"], out, batch["cu_seqlens_q"],
+            batch["seq_lens"], batch["block_table"], batch["max_query_len"], batch["scale"],
+            options.get("sliding_window") or 0, options.get("softcap", 0.0),
+            options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"), workspace,
+            plan=plan,
+        )  # fmt: skip
     atol, rtol = TOL[q.dtype]
     assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="attention")
     assert torch.isnan(out[num_rows:]).all(), "rows past cu_seqlens_q[-1] were written"
+    if workspace is not None:
+        assert int(workspace.counters.abs().sum()) == 0, "split counters not reset"
     return out
 
 
 def workspace(num_q_heads: int, head_size: int, max_splits: int = 4, rows: int = 32):
-    return AttentionWorkspace.allocate(rows, num_q_heads, head_size, CPU, max_splits=max_splits)
+    return AttentionWorkspace.allocate(rows, num_q_heads, head_size, DEVICE, max_splits=max_splits)
+
+
+def plan_for(batch: dict, ws, **changes) -> attn.LaunchPlan:
+    """The rule's plan for `batch`, with `changes` applied to its decode config and
+    `prefill_changes` (a dict, in changes) to its prefill config."""
+    q, kc = batch["q"], batch["key_cache"]
+    prefill_changes = changes.pop("prefill_changes", {})
+    plan = attn.plan_launch(
+        num_seqs=batch["seq_lens"].shape[0], num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
+        head_size=q.shape[2], max_query_len=batch["max_query_len"], sms=attn.sm_count(CPU),
+        workspace=ws, kv_bytes=kc.element_size(),
+    )  # fmt: skip
+    prefill = plan.prefill
+    if prefill is not None and prefill_changes:
+        prefill = dataclasses.replace(prefill, **prefill_changes)
+    return attn.LaunchPlan(decode=dataclasses.replace(plan.decode, **changes), prefill=prefill)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,7 +396,7 @@ def test_sinks(q_lens, seq_lens, max_splits):
     """Sinks join the denominator once: in the kernel (unsplit) or in the reduction (split)."""
     batch = make_batch(q_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_size=64,
                        block_size=16, seed=8)  # fmt: skip
-    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0])  # from negligible to dominant
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0], device=DEVICE)  # from negligible to dominant
     ws = workspace(4, 64, max_splits) if max_splits > 1 else None
     run_case(batch, workspace=ws, sinks=sinks)
 
@@ -365,7 +405,7 @@ def test_all_options_together():
     batch = make_batch([1, 4, 60], [700, 30, 200], num_q_heads=6, num_kv_heads=2, head_size=96,
                        block_size=32, kv_dtype=FP8_E4M3, q_dtype=torch.float16, seed=9)  # fmt: skip
     run_case(batch, workspace=workspace(6, 96), sliding_window=64, softcap=20.0,
-             sinks=torch.linspace(-2.0, 2.0, 6))  # fmt: skip
+             sinks=torch.linspace(-2.0, 2.0, 6, device=DEVICE))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,19 +459,81 @@ def test_launches_depend_only_on_shapes(launch_log, q_lens, lens_a, lens_b):
         launch_log.clear()
     assert logs[0] == logs[1]
     names = [entry[0] for entry in logs[0]]
-    assert "_splitkv_reduce_kernel" in names  # the split path was exercised
+    decode = dict(logs[0][names.index("_decode_kernel")][2])
+    assert decode["SPLIT"] and decode["FUSED_REDUCE"]  # the split path, merged in the kernel
+    assert "_splitkv_reduce_kernel" not in names  # one launch for decode, split or not
     assert ("_prefill_kernel" in names) == (max(q_lens) > attn.DECODE_MAX_QUERY_LEN)
 
 
 def test_split_rule_follows_batch_size():
+    """Hq=32, Hkv=8, D=128 bf16 on 132 SMs (two decode programs per SM, register-bound): as
+    many splits as fill one wave of program slots, none once the batch fills it; in between,
+    the split count of least modelled time (B=20: 160 programs fill one wave of 264 slots to
+    61%, 3 splits = 480 programs = two waves nearly full)."""
     ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
-    splits = [
+    batches = (1, 2, 8, 16, 20, 32, 33, 64, 256)
+    plans = [
         attn.plan_launch(num_seqs=b, num_q_heads=32, num_kv_heads=8, head_size=128,
-                         max_query_len=1, sms=132, workspace=ws).decode.num_splits
-        for b in (1, 2, 16, 32, 33, 64, 256)
+                         max_query_len=1, sms=132, workspace=ws).decode
+        for b in batches
     ]  # fmt: skip
-    assert splits == [64, 33, 5, 3, 1, 1, 1]
-    assert splits == sorted(splits, reverse=True)
+    assert [p.num_splits for p in plans] == [33, 16, 4, 2, 3, 1, 1, 1, 1]
+    for b, p in zip(batches, plans, strict=True):
+        assert (p.tile_n, p.num_warps, p.num_stages, p.fused_reduce) == (128, 4, 3, True)
+        costs = [attn.split_cost(b * 8, s, 2 * 132) for s in range(1, 65)]
+        if b * 8 < attn.NO_SPLIT_CTAS_PER_SM * 132:
+            assert costs[p.num_splits - 1] == min(costs)
+    # No workspace: unsplit.
+    no_ws = attn.plan_launch(num_seqs=1, num_q_heads=32, num_kv_heads=8, head_size=128,
+                             max_query_len=1, sms=132, workspace=None)  # fmt: skip
+    assert no_ws.decode.num_splits == 1
+
+
+def test_tile_rules():
+    """Decode: 128 KV tokens per step (64 at D=256), 4 warps, 3 stages. Its shared memory as
+    Triton 3.6 compiles it for sm_90a (74240 / 140288 / 206336 bytes at 3 / 5 / 7 stages, tile
+    128; 105216 at tile 64, 7 stages) and the programs per SM that follow. Prefill: 128x64
+    tiles, 4 warps, 3 stages up to D=128 (the measured H200 winner, run 2)."""
+    assert attn._decode_tile(1, 4, 128) == (16, 128, 4, 3)
+    assert attn._decode_tile(8, 16, 128) == (128, 128, 8, 3)
+    assert attn._decode_tile(1, 4, 256)[1] == 64
+    assert [attn.kv_buffers(s) for s in (2, 3, 4, 5, 6, 7)] == [1, 1, 1, 2, 2, 3]
+    smem = [attn.decode_smem_bytes(16, 128, 128, s, 2) for s in (3, 5, 7)]
+    assert smem == [74240, 140288, 206336]
+    assert attn.decode_smem_bytes(16, 64, 128, 7, 2) == 105216
+    per_sm = attn.decode_programs_per_sm
+    assert [per_sm(16, 128, 128, 4, s, 2) for s in (3, 5, 7)] == [2, 1, 1]
+    assert per_sm(16, 64, 128, 4, 7, 2) == 2
+    assert per_sm(128, 128, 128, 8, 3, 2) == 1
+    for d in (64, 80, 96, 128):
+        assert attn._prefill_tile(4, d) == (128, 64, 4, 3)
+    assert attn._prefill_tile(4, 256) == (64, 64, 8, 2)
+    assert attn._prefill_tile(256, 128)[0] == 256  # a whole GQA group per tile
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("head_fast", [False, True])
+def test_merge_and_grid_order_variants(fused, head_fast):
+    """The benchmark's decode variants: the split merge fused into the decode kernel (counters
+    back to zero, checked by run_case) or as a second launch, either grid order; decode and
+    verify rows with sinks, a window and a later query chunk (stale max_query_len)."""
+    batch = make_batch([1, 3, 1, 12], [700, 40, 1, 300], num_q_heads=8, num_kv_heads=2,
+                       head_size=64, block_size=16, seed=11)  # fmt: skip
+    batch["max_query_len"] = 3  # the 12-token query runs through the decode kernel in chunks
+    ws = workspace(8, 64, max_splits=4)
+    plan = plan_for(batch, ws, fused_reduce=fused, head_fast=head_fast)
+    assert plan.prefill is None and plan.decode.num_splits == 4
+    sinks = torch.linspace(-1.0, 3.0, 8, device=DEVICE)
+    for _ in range(2):  # a second call on the same workspace (a graph replay)
+        run_case(batch, workspace=ws, plan=plan, sinks=sinks, sliding_window=200)
+
+
+def test_prefill_grid_order_head_fast():
+    batch = make_batch([1, 70, 5, 33], [400, 90, 5, 300], num_q_heads=8, num_kv_heads=2,
+                       head_size=64, block_size=16, seed=12)  # fmt: skip
+    ws = workspace(8, 64)
+    plan = plan_for(batch, ws, head_fast=True, prefill_changes=dict(head_fast=True))
+    run_case(batch, workspace=ws, plan=plan, sliding_window=50)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,7 +562,7 @@ def test_registered_as_custom_op_with_fake():
     """Mutated arguments are declared (torch.compile must not reorder around the writes) and
     the fake implementation runs on meta tensors without touching data."""
     schema = str(torch.ops.fuselane.paged_attention.default._schema)
-    for arg in ("out", "ws_partial_out", "ws_partial_ml"):
+    for arg in ("out", "ws_partial_out", "ws_partial_ml", "ws_counters"):
         assert "!)" in schema.split(arg)[0].rsplit(",", 1)[-1], f"{arg} not declared mutated"
     batch = make_batch([1], [10], num_q_heads=2, num_kv_heads=1, head_size=64, block_size=16)
     with torch._subclasses.FakeTensorMode() as mode:
@@ -469,7 +571,7 @@ def test_registered_as_custom_op_with_fake():
         result = torch.ops.fuselane.paged_attention(
             fake["q"], fake["key_cache"], fake["value_cache"], torch.empty_like(fake["q"]),
             fake["cu_seqlens_q"], fake["seq_lens"], fake["block_table"], 1, 0.125, 0, 0.0,
-            None, None, None, None, None, 0, 0,
+            None, None, None, None, None, None, 0, 0,
         )  # fmt: skip
     assert result is None
 
@@ -481,7 +583,7 @@ def test_opcheck():
     args = (
         batch["q"], batch["key_cache"], batch["value_cache"], nan_out(batch["q"]),
         batch["cu_seqlens_q"], batch["seq_lens"], batch["block_table"], batch["max_query_len"],
-        batch["scale"], 0, 0.0, None, None, None, ws.partial_out, ws.partial_ml,
+        batch["scale"], 0, 0.0, None, None, None, ws.partial_out, ws.partial_ml, ws.counters,
         ws.max_num_tokens, ws.max_splits,
     )  # fmt: skip
     torch.library.opcheck(
@@ -494,6 +596,12 @@ def test_opcheck():
 def _bad_inputs():
     """(name, mutate(args) -> None, message regex) for every check the launcher makes."""
     fp8 = FP8_E4M3
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+    def ones(*shape, dtype=torch.float32):
+        return torch.ones(*shape, dtype=dtype, device=DEVICE)
 
     def set_(key, value):
         return lambda a: a.__setitem__(key, value)
@@ -536,13 +644,11 @@ def _bad_inputs():
         ("scale nan", set_("scale", float("nan")), "scale: expected a finite float > 0"),
         ("softcap", set_("softcap", -1.0), "softcap: expected a finite float >= 0"),
         ("window", set_("sliding_window", 0), "sliding_window: expected None or an int >= 1"),
-        ("sinks shape", set_("sinks", torch.zeros(3)), r"sinks: expected shape \[4\]"),
-        ("sinks dtype", set_("sinks", torch.zeros(4, dtype=torch.bfloat16)),
-         "sinks: expected dtype"),
+        ("sinks shape", set_("sinks", zeros(3)), r"sinks: expected shape \[4\]"),
+        ("sinks dtype", set_("sinks", zeros(4, dtype=torch.bfloat16)), "sinks: expected dtype"),
         ("fp8 without scales", both(lambda t: t.to(fp8)), "k_scale: required for a float8_e4m3fn"),
-        ("scale shape", set_("k_scale", torch.ones(2)), "k_scale: expected one element"),
-        ("scale dtype", set_("v_scale", torch.ones(1, dtype=torch.float16)),
-         "v_scale: expected dtype"),
+        ("scale shape", set_("k_scale", ones(2)), "k_scale: expected one element"),
+        ("scale dtype", set_("v_scale", ones(1, dtype=torch.float16)), "v_scale: expected dtype"),
         ("workspace type", set_("workspace", object()),
          "workspace: expected an AttentionWorkspace"),
     ]  # fmt: skip
@@ -564,7 +670,7 @@ def test_rejects_non_finite_window_types_and_devices():
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(out=nan_out(batch["q"]), **batch, sliding_window=True)
     meta = dict(batch, seq_lens=batch["seq_lens"].to("meta"))
-    with pytest.raises(ValueError, match="seq_lens: expected device cpu"):
+    with pytest.raises(ValueError, match=f"seq_lens: expected device {DEVICE.type}"):
         paged_attention(out=nan_out(batch["q"]), **meta)
 
 
@@ -572,6 +678,8 @@ def test_workspace_allocate_validates_and_sizes():
     ws = AttentionWorkspace.allocate(3, 4, 80, CPU, max_splits=5)
     assert ws.partial_out.numel() == 3 * 4 * 5 * 128 and ws.partial_ml.numel() == 3 * 4 * 5 * 2
     assert ws.partial_out.dtype == torch.float32
+    assert ws.counters.dtype == torch.int32 and ws.counters.numel() == 3 * 4
+    assert int(ws.counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="max_num_tokens: expected a positive int"):
         AttentionWorkspace.allocate(0, 4, 64, CPU)
     with pytest.raises(ValueError, match="head_size: expected one of"):
