@@ -48,8 +48,15 @@ from .attention_prefill import launch_prefill
 
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
-SUPPORTED_Q_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-SUPPORTED_KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, FP8_E4M3)
+# fp32 is for exactness checks and the CPU engine (vLLM's fp32 runs give token-identical greedy
+# output to transformers); on a GPU it takes the slow ieee fp32 dot path, not tensor cores.
+SUPPORTED_Q_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    FP8_E4M3,
+)
 # Query heads per kv head: the decode tile packs a whole group into at most 128 rows.
 MAX_GQA_GROUP = 128
 # Longest query the decode kernel takes in a mixed batch (vLLM's MAX_3D_QUERY_LEN: decode rows
@@ -540,7 +547,7 @@ def _run(
         )
     # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
     # the CPU the kernels can only be running under it.
-    upcast_dot = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    upcast_dot = (q.device.type == "cpu" and q.dtype == torch.bfloat16) or q.dtype == torch.float32
     dec = plan.decode
     launch_decode(
         q,

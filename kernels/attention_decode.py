@@ -55,7 +55,8 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
     (exact for fp16/bf16 values). Compiled GPU code always takes the plain tl.dot.
     """
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        # ieee: fp32 products, not tf32, so fp32 inputs keep fp32 accuracy on a GPU too.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 

@@ -42,7 +42,12 @@ def register() -> None:
     # they import Triton (the kernel modules themselves are not imported yet).
     import fuselane.kernels  # noqa: F401
 
-    from . import selector, vllm_compat
+    from . import selector, telemetry, vllm_compat
+
+    # Validates FUSELANE_TELEMETRY* / FUSELANE_FAULT_INJECT (a bad value stops the start, like a
+    # bad FUSELANE_KERNELS) and, with telemetry on and a GPU, hooks CUDA-graph capture/replay
+    # before vLLM captures anything.
+    telemetry.prepare()
 
     _undo.append(vllm_compat.register_custom_backend(BACKEND_PATH))
     _undo.append(vllm_compat.install_backend_chooser(selector.make_chooser(selection)))

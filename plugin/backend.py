@@ -31,7 +31,7 @@ import torch
 from fuselane.kernels import attention as attn_kernels
 from fuselane.kernels import kv_cache as kv_kernels
 
-from . import active_selection
+from . import active_selection, telemetry
 from . import vllm_compat as vc
 from .kv_write import FP8_MIN_CAPABILITY, SUPPORTED_KV_CACHE_DTYPES, FuselaneKVWriteMixin
 
@@ -96,6 +96,7 @@ class FuselaneAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     workspace: Any
+    phase: str | None = None  # decode / prefill / mixed for telemetry (None: telemetry off)
 
 
 class FuselaneAttentionMetadataBuilder(vc.AttentionMetadataBuilder):
@@ -113,6 +114,7 @@ class FuselaneAttentionMetadataBuilder(vc.AttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.num_heads_q = vc.num_query_heads(vllm_config, layer_names)
         self.head_size = kv_cache_spec.head_size
+        self.decode_query_len = vc.decode_query_len(vllm_config)
         # Split-KV partials of every layer and step; allocated once, here.
         self.workspace = attn_kernels.AttentionWorkspace.allocate(
             workspace_rows(
@@ -145,7 +147,13 @@ class FuselaneAttentionMetadataBuilder(vc.AttentionMetadataBuilder):
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
             workspace=self.workspace,
+            # Host tensor, no sync; a no-op returning None when telemetry is off.
+            phase=telemetry.note_step(cm.query_start_loc_cpu, self.decode_query_len),
         )
+
+
+# Telemetry seam: a plain call of the kernel when telemetry is off and no fault is injected.
+_ATTENTION = telemetry.seam(telemetry.ATTENTION)
 
 
 class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
@@ -219,7 +227,9 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         n = md.num_actual_tokens
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
-        attn_kernels.paged_attention(
+        _ATTENTION(
+            md.phase,
+            attn_kernels.paged_attention,
             query[:n],
             key_cache,
             value_cache,
@@ -240,8 +250,12 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         return output
 
 
-class FuselaneAttentionBackend(vc.AttentionBackend):
-    """fuselane's paged attention + KV-cache write, selectable as `CUSTOM`."""
+class FuselaneAttentionBackend(vc.KVCacheShapeHooks, vc.AttentionBackend):
+    """fuselane's paged attention + KV-cache write, selectable as `CUSTOM`.
+
+    `vc.KVCacheShapeHooks`: the KV-cache allocation hooks vLLM 0.26 requires (TRITON_ATTN's);
+    empty on 0.32/0.33.
+    """
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = _supported_dtypes()

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 ENV_VAR = "FUSELANE_KERNELS"
+# TEST ONLY (plugin/faults.py): families whose outputs are corrupted after the kernel.
+FAULT_INJECT_ENV_VAR = "FUSELANE_FAULT_INJECT"
 
 ATTENTION = "attention"
 KV_CACHE = "kv_cache"
@@ -99,3 +101,25 @@ def kernels_from_env(environ: dict[str, str] | None = None) -> KernelSelection:
     """The selection in `environ` (default: this process's environment), read afresh."""
     env = os.environ if environ is None else environ
     return parse_kernels(env.get(ENV_VAR))
+
+
+def parse_fault_inject(value: str | None) -> frozenset[str]:
+    """Parse a `FUSELANE_FAULT_INJECT` value (TEST ONLY: see plugin/faults.py): a comma list of
+    the families, or `all` / `none`; unset or empty means none. Anything else raises
+    FuselaneConfigError naming the valid values."""
+    items = [item.strip().lower() for item in (value or "").split(",") if item.strip()]
+    bad = [item for item in items if item not in VALID_VALUES]
+    if bad:
+        raise FuselaneConfigError(
+            f"{FAULT_INJECT_ENV_VAR}={value!r}: unknown value(s) {bad}; expected a comma list "
+            f"of {', '.join(FAMILIES)}, or {ALL} / {NONE}"
+        )
+    if ALL in items:
+        return frozenset(FAMILIES)
+    return frozenset(item for item in items if item != NONE)
+
+
+def faults_from_env(environ: dict[str, str] | None = None) -> frozenset[str]:
+    """The families FUSELANE_FAULT_INJECT names in `environ` (default: this process's)."""
+    env = os.environ if environ is None else environ
+    return parse_fault_inject(env.get(FAULT_INJECT_ENV_VAR))

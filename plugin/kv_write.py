@@ -25,6 +25,7 @@ import torch
 
 from fuselane.kernels import kv_cache as kv_kernels
 
+from . import telemetry
 from . import vllm_compat as vc
 
 # Stock backends whose cache layout and fp8 semantics equal the kernel's (vLLM 0.32/0.33 read
@@ -86,6 +87,13 @@ def _cap(device_capability: Any) -> tuple[int, int]:
     return (int(device_capability.major), int(device_capability.minor))
 
 
+# Telemetry seams: plain calls when telemetry is off and no fault is injected. The phase (None)
+# is the step's, noted by the metadata builder.
+_KV_WRITE = telemetry.seam(telemetry.KV_CACHE)
+_ROPE_KV_WRITE = telemetry.seam(telemetry.ROPE_KV_CACHE)
+_KV_WRITE_STOCK = telemetry.seam(telemetry.KV_CACHE, impl=telemetry.STOCK)
+
+
 class FuselaneKVWriteMixin:
     """KV write through fuselane's kernels, for an AttentionImpl of the flash/Triton layout.
 
@@ -125,15 +133,18 @@ class FuselaneKVWriteMixin:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write key/value `[T, Hkv, D]` rows to their slots (`slot_mapping [N]`, N <= T)."""
-        if not self._fuselane_kv_write:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if not self._fuselane_kv_write:  # vLLM's write, observed at the same seam
+            return _KV_WRITE_STOCK(
+                None, super().do_kv_cache_update, layer, key, value, kv_cache, slot_mapping
+            )
         if self._writes_no_cache():
             return None
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
-        kv_kernels.kv_cache_update(
-            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
-        )
+        _KV_WRITE(
+            None, kv_kernels.kv_cache_update,
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
         return None
 
     def fused_rope_kvcache_supported(self) -> bool:
@@ -162,7 +173,8 @@ class FuselaneKVWriteMixin:
             )  # fmt: skip
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
-        kv_kernels.rope_kv_cache_update(
+        _ROPE_KV_WRITE(
+            None, kv_kernels.rope_kv_cache_update,
             positions, query, key, value, cos_sin_cache, is_neox,
             key_cache, value_cache, layer_slot_mapping, k_scale, v_scale,
         )  # fmt: skip
@@ -187,8 +199,28 @@ def kv_write_backend(stock_name: str) -> type:
         return cls
     stock = vc.backend_class_for_name(stock_name)
     stock_impl = stock.get_impl_cls()
+    stock_builder = stock.get_builder_cls()
+
     impl = type(f"FuselaneKVWrite{stock_impl.__name__}", (FuselaneKVWriteMixin, stock_impl), {})
     impl.__module__ = __name__
+
+    def builder_init(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kw):
+        stock_builder.__init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kw)
+        self._fuselane_decode_query_len = vc.decode_query_len(vllm_config)
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kw):
+        # The step's phase for telemetry's labels (a no-op when telemetry is off).
+        telemetry.note_step(
+            common_attn_metadata.query_start_loc_cpu, self._fuselane_decode_query_len
+        )
+        return stock_builder.build(self, common_prefix_len, common_attn_metadata, *args, **kw)
+
+    builder = type(
+        f"FuselaneKVWrite{stock_builder.__name__}",
+        (stock_builder,),
+        {"__init__": builder_init, "build": build},
+    )
+    builder.__module__ = __name__
     kernel_sizes = tuple(kv_kernels.SUPPORTED_BLOCK_SIZES)
 
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
@@ -205,6 +237,7 @@ def kv_write_backend(stock_name: str) -> type:
             "__qualname__": name,
             "__doc__": f"vLLM's {stock_name} backend with fuselane's KV-cache write.",
             "get_impl_cls": staticmethod(lambda: impl),
+            "get_builder_cls": staticmethod(lambda: builder),
             "get_supported_kernel_block_sizes": staticmethod(get_supported_kernel_block_sizes),
         },
     )

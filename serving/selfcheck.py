@@ -34,12 +34,12 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _timed(fn: Callable[..., object], *args: object) -> float:
-    """Wall time of one call of fn(*args), device work included."""
+def _timed(fn: Callable[..., object], *args: object, **kwargs: object) -> float:
+    """Wall time of one call of fn(*args, **kwargs), device work included."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn(*args)
+    fn(*args, **kwargs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -132,8 +132,93 @@ def check_kv_cache(seed: int) -> list[CheckRow]:
     return rows
 
 
+def check_attention(seed: int) -> list[CheckRow]:
+    from fuselane.kernels import attention as attn
+
+    dev = _device()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hq, hkv, d, block = 32, 8, 128, 16
+    rows: list[CheckRow] = []
+    # (name, query lengths, kv lengths): decode rows, a verify row and a prefill chunk after a
+    # cached prefix, as vLLM's chunked-prefill scheduler mixes them.
+    cases = (
+        ("decode, 4 sequences", [1, 1, 1, 1], [1, 37, 300, 1000]),
+        ("mixed decode + verify + prefill chunk", [1, 4, 48, 1], [700, 90, 160, 17]),
+    )
+    for name, q_lens, seq_lens in cases:
+        pages = [-(-s // block) for s in seq_lens]
+        num_blocks = sum(pages) + 1
+        kv = torch.randn(num_blocks, block, hkv, 2 * d, generator=gen).to(dev, torch.bfloat16)
+        key_cache, value_cache = kv[..., :d], kv[..., d:]
+        perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is never used
+        table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+        start = 0
+        for i, n in enumerate(pages):
+            table[i, :n] = perm[start : start + n].to(torch.int32)
+            start += n
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dev, torch.bfloat16)
+        args = dict(
+            cu_seqlens_q=cu.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            scale=d**-0.5,
+        )
+        out = torch.full_like(q, float("nan"))
+        want = torch.full_like(q, float("nan"))
+        ws = attn.AttentionWorkspace.allocate(q.shape[0], hq, d, dev, max_splits=4)
+        secs = _timed(attn.paged_attention, q, key_cache, value_cache, out, **args, workspace=ws)
+        attn.paged_attention_reference(q, key_cache, value_cache, want, **args)
+        # bf16 output of an fp32-accumulated softmax(QK)V with |out| < 2: one bf16 ulp.
+        rows.append(CheckRow("attention", name, _max_err(out, want), 1.6e-2, secs))
+    return rows
+
+
+def check_sampling(seed: int) -> list[CheckRow]:
+    from fuselane.kernels import sampling as smp
+
+    dev = _device()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    batch, vocab = 8, 4099  # vocabulary not a power of two
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dev)
+    rows: list[CheckRow] = []
+    greedy = smp.SamplingParamsTensors(temperature=torch.zeros(batch, device=dev))
+    ws = smp.SamplingWorkspace.allocate(batch, vocab, dev)
+    secs = _timed(lambda: smp.fused_sample(logits, greedy, workspace=ws))
+    got = smp.fused_sample(logits, greedy, workspace=ws).token_ids
+    wrong = int((got != logits.argmax(dim=-1)).sum())
+    rows.append(CheckRow("sampling", "greedy = argmax", float(wrong), 0.0, secs, "rows differ"))
+    params = smp.SamplingParamsTensors(
+        temperature=torch.full((batch,), 0.7, device=dev),
+        top_k=torch.full((batch,), 50, dtype=torch.int32, device=dev),
+        top_p=torch.full((batch,), 0.9, device=dev),
+        seeds=torch.arange(batch, dtype=torch.int64, device=dev) + seed,
+        has_seed=torch.ones(batch, dtype=torch.bool, device=dev),
+        seed_offsets=torch.zeros(batch, dtype=torch.int64, device=dev),
+    )
+    secs = _timed(lambda: smp.fused_sample(logits, params, workspace=ws))
+    got = smp.fused_sample(logits, params, workspace=ws).token_ids
+    want = smp.sample_reference(logits, params).token_ids
+    wrong = int((got != want).sum())
+    rows.append(
+        CheckRow(
+            "sampling",
+            "seeded T=0.7 k=50 p=0.9 = reference draw",
+            float(wrong),
+            0.0,
+            secs,
+            "rows differ",
+        )
+    )
+    return rows
+
+
 FAMILIES: dict[str, tuple[str, Callable[[int], list[CheckRow]]]] = {
     "kv_cache": ("fuselane.kernels.kv_cache", check_kv_cache),
+    "attention": ("fuselane.kernels.attention", check_attention),
+    "sampling": ("fuselane.kernels.sampling", check_sampling),
 }
 
 
@@ -162,7 +247,7 @@ def run_selfcheck(*, families: list[str] | None, seed: int, out: TextIO) -> int:
     for r in rows:
         out.write(
             f"{r.family:<10} {r.case:<46} {r.max_abs_err:>10.3g} {r.tolerance:>10.3g} "
-            f"{r.seconds * 1e3:>7.1f}ms  {'PASS' if r.ok else 'FAIL'} {r.detail}\n"
+            f"{r.seconds * 1e3:>7.1f}ms  {'PASS' if r.ok else 'FAIL ' + r.detail}\n"
         )
     failed = [r for r in rows if not r.ok]
     out.write(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed\n")

@@ -42,6 +42,8 @@ PAD_ROWS = 3  # rows of q / out past cu_seqlens_q[-1]
 ATTN_TOLERANCES = [
     (torch.float16, 4e-3, 4e-3),
     (torch.bfloat16, 2.5e-2, 2.5e-2),
+    # fp32 (the CPU engine's dtype): ieee fp32 products, summation order differs only.
+    (torch.float32, 1e-5, 1e-5),
 ]
 TOL = {dt: (atol, rtol) for dt, atol, rtol in ATTN_TOLERANCES}
 CPU = torch.device("cpu")
@@ -296,6 +298,7 @@ MIXED_CASES = [
     (8, 2, 64, 32, torch.float16, None, [2, 1, 150, 5, 1], [40, 1, 150, 1000, 17]),
     (4, 2, 128, 16, torch.bfloat16, FP8_E4M3, [1, 4, 90, 1], [300, 50, 190, 1]),
     (6, 3, 80, 64, torch.float16, FP8_E4M3, [40, 1, 7], [40, 600, 7]),
+    (4, 2, 64, 32, torch.float32, None, [1, 6, 70, 1], [33, 6, 200, 900]),
 ]
 
 
@@ -614,7 +617,11 @@ def _bad_inputs():
 
     return [
         ("q not a tensor", set_("q", [1.0]), "q: expected a torch.Tensor"),
-        ("q fp32", with_("q", lambda t: t.float()), r"q: expected dtype in \(float16, bfloat16\)"),
+        (
+            "q fp64",
+            with_("q", lambda t: t.double()),
+            r"q: expected dtype in \(float16, bfloat16, float32\)",
+        ),
         ("q 2-D", with_("q", lambda t: t[:, 0]), "q: expected 3 dimensions"),
         ("q strided head dim", with_("q", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
          "q: expected stride 1 in the last dimension"),

@@ -35,7 +35,9 @@ def run() -> dict:
     def check(name, fn):
         try:
             value = fn()
-            checks[name] = True if value is None else value
+            checks[name] = True
+            if value is not None:
+                checks["info." + name] = value
         except Exception:  # noqa: BLE001 - the report names every failure
             checks[name] = "FAIL: " + traceback.format_exc(limit=3)
 
@@ -151,6 +153,92 @@ def run() -> dict:
         )
 
     check("kv_write_subclass", kv_write)
+
+    def metadata_fields():
+        # The builder reads these CommonAttentionMetadata fields (0.26 and 0.33 alike).
+        import dataclasses
+
+        have = {f.name for f in dataclasses.fields(vc.CommonAttentionMetadata)}
+        need = {
+            "query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping",
+            "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
+        }  # fmt: skip
+        assert need <= have, sorted(need - have)
+
+    check("common_metadata_fields", metadata_fields)
+
+    def kv_cache_layout():
+        # Versions that ask the backend for the cache shape (0.26): fuselane's shape and
+        # physical order are TRITON_ATTN's, and split_kv_cache on a cache allocated the way
+        # vLLM's runner allocates it (shape, then permute by the stride order) finds K and V.
+        from fuselane.plugin import backend
+
+        cls = backend.FuselaneAttentionBackend
+        assert cls.get_supported_kernel_block_sizes()  # 0.26 calls it with no argument
+        if not hasattr(vc.AttentionBackend, "get_kv_cache_shape"):
+            return "no get_kv_cache_shape in this vLLM (KV-cache spec hooks)"
+        from vllm.v1.attention.backends.utils import set_kv_cache_layout
+
+        nb, bs, hkv, d = 3, 16, 2, 64
+        shape = cls.get_kv_cache_shape(nb, bs, hkv, d, cache_dtype_str="auto")
+        assert shape == vc.TritonAttentionBackend.get_kv_cache_shape(nb, bs, hkv, d), shape
+        orders = {}
+        try:
+            for layout in ("NHD", "HND"):  # NHD: vLLM's default; HND: VLLM_KV_CACHE_LAYOUT
+                set_kv_cache_layout(layout)
+                order = tuple(cls.get_kv_cache_stride_order())
+                assert order == tuple(vc.TritonAttentionBackend.get_kv_cache_stride_order())
+                # Allocate as the runner does: physical shape, then permute to the logical one.
+                phys = torch.zeros(tuple(shape[i] for i in order))
+                kv_cache = phys.permute(*[order.index(i) for i in range(len(order))])
+                assert tuple(kv_cache.shape) == tuple(shape)
+                k, v = vc.split_kv_cache(kv_cache, d)
+                assert tuple(k.shape) == (nb, bs, hkv, d) and tuple(v.shape) == (nb, bs, hkv, d)
+                k[1, 5, 1, 7] = 1.0
+                v[2, 3, 0, 9] = 2.0
+                assert kv_cache[1, 1, 5, 7] == 1.0 and kv_cache[2, 0, 3, d + 9] == 2.0
+                assert float(phys.sum()) == 3.0
+                orders[layout] = list(order)
+        finally:
+            set_kv_cache_layout(None)
+        return {"shape": list(shape), "stride_order": orders}
+
+    check("kv_cache_layout", kv_cache_layout)
+
+    def impl_constructor():
+        # TritonAttentionImpl's constructor with the positional order the Attention layer uses.
+        from fuselane.plugin import backend
+
+        impl = backend.FuselaneAttentionImpl(
+            32, 128, 128**-0.5, 8, None, None, "auto", None, vc.AttentionType.DECODER, None, None
+        )
+        assert (impl.num_heads, impl.head_size, impl.num_kv_heads) == (32, 128, 8)
+        assert impl.kv_cache_dtype == "auto" and impl.attn_type == vc.AttentionType.DECODER
+        assert impl._fuselane_window is None and impl.supports_quant_query_input is False
+        assert impl.logits_soft_cap in (None, 0, 0.0) and impl.sinks is None
+
+    check("impl_constructor", impl_constructor)
+
+    def stock_paths():
+        # The stock backends the benchmark compares with, and the KV-write subclasses of both.
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        from fuselane.plugin import kv_write as kw
+
+        out = {}
+        for name in kw.KV_WRITE_STOCK_BACKENDS:
+            path = AttentionBackendEnum[name].get_path()
+            try:
+                cls = kw.kv_write_backend(name)
+                assert cls.get_name() == name
+                assert cls.get_supported_kernel_block_sizes(), name
+                assert issubclass(cls.get_impl_cls(), kw.FuselaneKVWriteMixin)
+                out[name] = path
+            except ImportError as e:  # compiled ops missing on this CPU box
+                out[name] = f"{path} (not importable here: {type(e).__name__}: {e})"
+        return out
+
+    check("stock_backend_paths", stock_paths)
 
     def undo():
         plugin.unregister()

@@ -59,11 +59,10 @@ def test_greedy_logprobs_match_stock(stock_run, fuselane_run):
             assert abs(a - b) <= atol, f"prompt {i} step {step}: logprob {b} vs stock {a}"
 
 
-def test_seeded_sampling_is_reproducible(fuselane_run, stock_run):
-    fused, stock = fuselane_run[0], stock_run[0]
-    first, second = fused["sampled"]
+def test_seeded_sampling_is_reproducible(fuselane_run):
+    first, second = fuselane_run[0]["sampled"]
     assert first == second, "the same seeds gave different samples"
     assert len({tuple(s) for s in first}) > 1, "different prompts gave the same sample"
-    if engine_dtype() == "float32":
-        # Logits agree to ~1e-5, so the same seeded draws pick the same tokens.
-        assert first == stock["sampled"][0]
+    # With `all`, fuselane's sampler draws seeded rows from its own noise (same distribution,
+    # other tokens than vLLM V1's generator), so samples are compared run to run only; the
+    # sampler's agreement with stock is checked greedily in test_sampler_hook.py.

@@ -26,7 +26,7 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_unknown_family_is_named_with_valid_ones():
     out = io.StringIO()
     assert run_selfcheck(families=["nope"], seed=0, out=out) == 2
-    assert "unknown kernel family 'nope'; valid: kv_cache" in out.getvalue()
+    assert "unknown kernel family 'nope'; valid: kv_cache, attention, sampling" in out.getvalue()
 
 
 def test_bad_option_exits_nonzero():

@@ -1,0 +1,238 @@
+"""The GPU end-to-end script's non-GPU parts: arguments, plan, prompts, comparisons, JSON, dry run.
+
+Nothing here starts an engine; the script runs for real only on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "e2e" / "run_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("run_e2e_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_args_defaults_and_flags(e2e, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    a = e2e.parse_args([])
+    assert (a.quick, a.dry_run, a.out, a.arms) == (False, False, None, None)
+    assert a.budget_s < 540  # the whole run must fit in 9 minutes
+    monkeypatch.setenv("OUT", "/x")
+    a = e2e.parse_args(["--quick", "--dry-run", "--arms", "FLASH_ATTN", "fuselane"])
+    assert (a.quick, a.dry_run, a.out, a.arms) == (True, True, "/x", ["FLASH_ATTN", "fuselane"])
+
+
+def test_workloads_and_quick(e2e):
+    full = [(w.num_prompts, w.input_len, w.output_len) for w in e2e.selected_workloads(False)]
+    assert full == [(256, 512, 256), (64, 2048, 512), (16, 8192, 256)]
+    assert len(e2e.selected_workloads(True)) == 1
+    assert len(e2e.online_plan(True)) == 1 and len(e2e.online_plan(False)) == 2
+    longest = max(w.input_len + w.output_len for w in e2e.WORKLOADS)
+    assert longest <= e2e.MAX_MODEL_LEN
+    assert max(e2e.CORRECTNESS_LENGTHS) + e2e.CORRECTNESS_OUTPUT <= e2e.MAX_MODEL_LEN
+
+
+def test_prompts_are_fixed_token_ids(e2e):
+    a = e2e.build_prompts(4, 33, seed=7)
+    assert a == e2e.build_prompts(4, 33, seed=7)
+    assert a != e2e.build_prompts(4, 33, seed=8)
+    assert len(a) == 4 and all(len(p) == 33 for p in a)
+    lo, hi = e2e.PROMPT_ID_RANGE
+    assert all(lo <= t < hi for p in a for t in p)
+    assert hi <= 128000  # below Llama-3's special tokens
+    c = e2e.correctness_prompts()
+    assert [len(p) for p in c] == list(e2e.CORRECTNESS_LENGTHS) and c == e2e.correctness_prompts()
+
+
+def test_arms(e2e):
+    arms = e2e.make_arms(with_all=False)
+    assert [a.name for a in arms] == ["FLASH_ATTN", "fuselane", "TRITON_ATTN"]
+    by = {a.name: a for a in arms}
+    assert by["fuselane"].env["FUSELANE_KERNELS"] == "attention,kv_cache"
+    assert by["fuselane"].attention_backend is None
+    assert by["FLASH_ATTN"].env["FUSELANE_KERNELS"] == "none"
+    with_all = e2e.make_arms(with_all=True)
+    assert "fuselane_all" in [a.name for a in with_all]
+    assert [a.name for a in e2e.make_arms(["TRITON_ATTN"], with_all=False)] == ["TRITON_ATTN"]
+    with pytest.raises(SystemExit):
+        e2e.make_arms(["nope"])
+
+
+def test_engine_settings(e2e, monkeypatch):
+    arms = {a.name: a for a in e2e.make_arms(with_all=False)}
+    kw = e2e.engine_kwargs(arms["FLASH_ATTN"], "/m")
+    assert kw["attention_backend"] == "FLASH_ATTN"
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
+    assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.85
+    assert kw["compilation_config"]["cache_dir"].startswith("/tmp/")
+    fk = e2e.engine_kwargs(arms["fuselane"], "/m")
+    assert "attention_backend" not in fk
+    assert fk["compilation_config"] != kw["compilation_config"]  # one compile cache per arm
+    cmd = e2e.server_command(arms["TRITON_ATTN"], "/mt", 8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--attention-backend") + 1] == "TRITON_ATTN"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "8123" in cmd
+    cc = json.loads(cmd[cmd.index("--compilation-config") + 1])
+    assert cc == e2e.engine_kwargs(arms["TRITON_ATTN"], "/m")["compilation_config"]
+    assert "--attention-backend" not in e2e.server_command(arms["fuselane"], "/mt", 1)
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    env = e2e.arm_env(arms["fuselane"])
+    assert "VLLM_ATTENTION_BACKEND" not in env
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert env["FUSELANE_KERNELS"] == "attention,kv_cache"
+
+
+def _corr(tokens, tops, prompt_lp=None):
+    return {
+        "prompts": [
+            {"prompt_len": 4, "token_ids": t, "top_logprobs": tp, "prompt_logprobs": prompt_lp}
+            for t, tp in zip(tokens, tops, strict=True)
+        ]
+    }
+
+
+def test_compare_correctness(e2e):
+    ref = _corr(
+        [[1, 2, 3], [4, 5, 6]],
+        [
+            [{"1": -0.1, "9": -2.0}, {"2": -0.2}, {"3": -0.3}],
+            [{"4": -1.0}, {"5": -1.000, "7": -1.005}, {"6": -0.5}],
+        ],
+        [None, -1.0, -2.0, -3.0],
+    )
+    same = e2e.compare_correctness(ref, ref)
+    assert same["token_agreement"] == 1.0 and same["prompts_identical"] == 2
+    assert same["max_abs_logprob_diff_generated"] == 0.0
+    other = _corr(
+        [[1, 2, 3], [4, 7, 6]],
+        [
+            [{"1": -0.11}, {"2": -0.2}, {"3": -0.3}],
+            [{"4": -1.0}, {"7": -0.99}, {"6": -0.5}],
+        ],
+        [None, -1.0, -2.01, -3.0],
+    )
+    c = e2e.compare_correctness(ref, other)
+    assert c["token_agreement"] == pytest.approx(5 / 6)
+    assert [p["first_divergence"] for p in c["per_prompt"]] == [None, 1]
+    assert c["divergences_near_tie"] == 1 and c["divergences_not_near_tie"] == 0
+    assert c["max_abs_logprob_diff_generated"] == pytest.approx(0.01)
+    assert c["max_abs_logprob_diff_prompt"] == pytest.approx(0.01)
+    v = e2e.correctness_verdict(c, same)
+    assert v["ok"] and v["tolerance"]["logprob_atol"] == e2e.LOGPROB_ATOL
+    bad = dict(c, max_abs_logprob_diff_prompt=0.5)
+    assert not e2e.correctness_verdict(bad, same)["ok"]
+    assert "error" in e2e.compare_correctness(None, ref)
+
+
+def _report(e2e):
+    def arm(tok_s, ttft, itl):
+        return {
+            "status": "ok",
+            "offline": {
+                "256x512-256": {"output_tok_s": tok_s, "total_tok_s": 3 * tok_s, "wall_s": 7.0}
+            },
+            "online": {
+                "status": "ok",
+                "rates": {
+                    "rate_4": {
+                        "median_ttft_ms": ttft,
+                        "median_itl_ms": itl,
+                        "output_throughput": 500.0,
+                    }
+                },
+            },
+        }
+
+    return {
+        "arms": {
+            "FLASH_ATTN": arm(9600.0, 50.0, 10.0),
+            "fuselane": arm(10080.0, 45.0, 11.0),
+            "TRITON_ATTN": {"status": "failed", "error": "boom"},
+        }
+    }
+
+
+def test_ratios_and_table(e2e):
+    rep = _report(e2e)
+    r = e2e.ratios(rep["arms"])
+    assert r["fuselane"]["offline_output_tok_s"]["256x512-256"] == pytest.approx(1.05)
+    assert r["fuselane"]["online"]["rate_4"]["median_ttft_ms"] == pytest.approx(0.9)
+    assert r["fuselane"]["online"]["rate_4"]["median_itl_ms"] == pytest.approx(1.1)
+    assert r["TRITON_ATTN"] == {"offline_output_tok_s": {}, "online": {}}
+    rep["ratios"] = r
+    text = e2e.table(rep)
+    assert "1.050" in text and "boom" in text and "FAILED" in text
+
+
+def test_scan_log(e2e):
+    log = (
+        "INFO fuselane: attention backend CUSTOM (x) for head_size=128\n"
+        "INFO Using FLASH_ATTN backend.\n"
+        "INFO torch.compile takes 20.1 s in total\n"
+        "INFO Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%\n"
+        "WARNING fuselane: attention refused for ...; vLLM selects its own backend\n"
+        "unrelated line\n"
+    )
+    found = e2e.scan_log(log)
+    assert len(found["fuselane"]) == 2
+    assert any("FLASH_ATTN" in x for x in found["backend"])
+    assert found["compile"] and found["cuda_graphs"] and found["fallback"]
+    assert "graph_break" not in found
+
+
+def test_tokenizer_model_dir(e2e, tmp_path):
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"vocab_size": 300, "bos_token_id": 1, "eos_token_id": 2})
+    )
+    d = e2e.write_tokenizer_model_dir(model, tmp_path / "mt")
+    assert (d / "config.json").exists()
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    assert len(tok) == 300
+    assert tok.decode([5, 299, 17]) == "t5 t299 t17"
+    assert tok.eos_token_id == 2
+
+
+def test_docstring_has_the_device_recipe(e2e):
+    doc = e2e.__doc__
+    for part in ("bash .vllm-gpu/device.sh put .vllm-gpu/a", "bash .vllm-gpu/device.sh install",
+                 "--no-deps --no-build-isolation --no-index --target /tmp/site .",
+                 "VLLM_USE_FLASHINFER_SAMPLER=0", "benchmarks/e2e/run_e2e.py"):  # fmt: skip
+        assert part in doc
+
+
+def test_dry_run_writes_plan_without_engine(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / ".no-such-dir")},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "e2e_results.json").read_text())
+    assert rep["schema"] == "fuselane-e2e/1" and rep["dry_run"] is True
+    assert set(rep["arms"]) >= {"FLASH_ATTN", "fuselane", "TRITON_ATTN"}
+    assert all(a["status"] == "dry-run" for a in rep["arms"].values())
+    assert rep["plan"]["workloads"][0]["num_prompts"] == 256
+    assert "versions" in rep and "device" in rep
+    assert "FLASH_ATTN" in proc.stdout  # the table is printed last
+    assert not (tmp_path / "logs").exists()  # no engine was started
