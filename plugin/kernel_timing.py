@@ -13,15 +13,16 @@ Three pieces, used by `plugin/telemetry.py`:
   captures (vLLM captures in the default "global" mode, where such calls invalidate the
   capture), so `cuda_calls()` holds a lock that `capture_begin` waits for, and reports False
   while a capture is under way.
-- `DeviceProbes`: device-side latency. A one-thread Triton probe kernel launched before and
-  after the instrumented kernel (and captured with it) counts the executions of its slot in
-  device memory and, when the count hits the slot's sampling stride, reads `%globaltimer`
-  (ns, the same clock on every SM); the end probe appends (slot, start, end) to a ring buffer
-  in device memory. A background thread copies the ring to pinned host memory on a side
-  stream (non-blocking, guarded as above) and turns entries into latencies; the step is never
-  synchronized. Under graphs only every `probe_every`-th captured call of a (kernel, phase)
-  gets probes, which bounds the cost of the extra graph nodes (~0.55 us each on an H200);
-  eager calls get probes only when the host-side sampler picks them.
+- `DeviceProbes`: device-side latency. One-thread Triton probe kernels are launched before and
+  after the instrumented kernel (and captured with it). The begin probe stores `%globaltimer`
+  (ns, the same clock on every SM) in its slot; the end probe reads the clock, counts the
+  slot's executions and, every `stride`-th one, appends (slot, start, end) to a ring buffer in
+  device memory. A background thread copies the ring to pinned host memory on a side stream
+  (non-blocking, guarded as above) and turns entries claimed before its previous pass into
+  latencies; the step is never synchronized. Under graphs only every `probe_every`-th
+  captured call of a (kernel, phase) gets probes, which bounds the cost of the extra graph
+  nodes (~0.55 us each on an H200); eager calls get probes only when the host-side sampler
+  picks them.
 - `HostTimer`: CPU engines run the kernels under Triton's interpreter, where a launch returns
   when the kernel has finished: there the host clock around the launch is the kernel's time
   (interpreter time, not GPU time), and no probe is launched.
@@ -209,29 +210,33 @@ def probe_kernels() -> tuple[Any, Any]:
 
     # No specialization on the runtime ints: Triton would otherwise compile other variants for
     # slot == 1 or slot % 16 == 0 at first use, possibly inside a graph capture.
-    @triton.jit(do_not_specialize=["slot", "stride"])
-    def _probe_begin_kernel(state_ptr, slot, stride, MAX_SLOTS: tl.constexpr):
+    # What a probe costs is its serialized round trips to memory (measured on an H200: 3.5 us
+    # per pair in a graph when the pair made five, vs 0.53 us for an empty kernel). So the begin
+    # probe only stores (no round trip), the end probe issues its load and its counter atomic
+    # together (one round trip) and claims a ring entry (a second one) only when sampled. The
+    # atomics are relaxed: kernel boundaries order the two probes of a slot, and the drain reads
+    # only entries claimed a whole drain earlier, so no store needs ordering.
+    @triton.jit(do_not_specialize=["slot"])
+    def _probe_begin_kernel(state_ptr, slot, MAX_SLOTS: tl.constexpr):
         # state: [0, MAX_SLOTS) executions per slot, [MAX_SLOTS, 2 MAX_SLOTS) start times,
-        # [2 MAX_SLOTS] ring head. Scalar atomics run on one thread (Triton predicates them).
-        n = tl.atomic_add(state_ptr + slot, 1)
-        if n % stride == 0:
-            tl.store(state_ptr + MAX_SLOTS + slot, _globaltimer())
+        # [2 MAX_SLOTS] ring head. Scalar stores and atomics run on one thread (Triton
+        # predicates them).
+        tl.store(state_ptr + MAX_SLOTS + slot, _globaltimer())
 
     @triton.jit(do_not_specialize=["slot", "stride"])
     def _probe_end_kernel(
         state_ptr, ring_ptr, slot, stride, MAX_SLOTS: tl.constexpr, RING: tl.constexpr
     ):
         t_end = _globaltimer()  # first: as close to the kernel's end as this probe gets
-        n = tl.load(state_ptr + slot, volatile=True) - 1  # the begin probe's count
+        t_start = tl.load(state_ptr + MAX_SLOTS + slot, volatile=True)
+        n = tl.atomic_add(state_ptr + slot, 1, sem="relaxed")  # executions before this one
         if n % stride == 0:
-            t_start = tl.load(state_ptr + MAX_SLOTS + slot, volatile=True)
-            idx = tl.atomic_add(state_ptr + 2 * MAX_SLOTS, 1)
+            idx = tl.atomic_add(state_ptr + 2 * MAX_SLOTS, 1, sem="relaxed")
             entry = ring_ptr + (idx % RING) * 4
             tl.store(entry + 0, slot.to(tl.int64))
             tl.store(entry + 1, t_start)
             tl.store(entry + 2, t_end)
-            # The tag goes last, with release order: a reader that sees it sees the entry.
-            tl.atomic_xchg(entry + 3, idx + 1, sem="release")
+            tl.store(entry + 3, idx + 1)  # the tag: which claim wrote this entry
 
     _probe_kernels = (_probe_begin_kernel, _probe_end_kernel)
     return _probe_kernels
@@ -261,9 +266,12 @@ class DeviceProbes:
         self.slots_exhausted = 0  # captured calls left unprobed for want of a slot
         self.ring_dropped = 0  # samples overwritten before a drain read them
         self._consumed = 0
+        # Ring head seen by the previous drain: entries below it were claimed at least one drain
+        # interval ago, so their end probes have long finished and every store is visible.
+        self._settled = 0
         self._begin, self._end = probe_kernels()
         warm = MAX_SLOTS - 1  # compile and load both kernels now, outside any capture
-        self.begin(warm, 1)
+        self.begin(warm)
         self.end(warm, 1)
         torch.cuda.synchronize(device)
         self.state.zero_()
@@ -278,21 +286,23 @@ class DeviceProbes:
         self.slot_site.append(site)
         return slot
 
-    def begin(self, slot: int, stride: int) -> None:
-        self._begin[(1,)](self.state, slot, stride, MAX_SLOTS=MAX_SLOTS, num_warps=1)
+    def begin(self, slot: int) -> None:
+        self._begin[(1,)](self.state, slot, MAX_SLOTS=MAX_SLOTS, num_warps=1)
 
     def end(self, slot: int, stride: int) -> None:
+        """`stride`: record every stride-th execution of this slot (1: every one)."""
         self._end[(1,)](
             self.state, self.ring, slot, stride, MAX_SLOTS=MAX_SLOTS, RING=RING_SIZE, num_warps=1
         )
 
-    def drain(self) -> list[tuple[int, bool, float]]:
-        """New samples as (site, from_graph, seconds). Called from the telemetry thread."""
+    def drain(self, final: bool = False) -> list[tuple[int, bool, float]]:
+        """New samples as (site, from_graph, seconds). Called from the telemetry thread;
+        `final=True` also reads the entries claimed since the previous drain, for a caller that
+        has synchronized the device (benchmarks, shutdown)."""
         with self.tracker.cuda_calls() as ok:
             if not ok:
                 return []
             with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
-                # The head first: every entry below it was claimed before this copy started.
                 self._h_head.copy_(self.state[2 * MAX_SLOTS :], non_blocking=True)
                 self._h_ring.copy_(self.ring, non_blocking=True)
                 self._copy_done.record(self._copy_stream)
@@ -303,22 +313,24 @@ class DeviceProbes:
                 time.sleep(1e-4)
             head = int(self._h_head[0])
             ring = self._h_ring.numpy().copy()
-        return self._parse(head, ring)
+        return self._parse(head, ring, final)
 
-    def _parse(self, head: int, ring: Any) -> list[tuple[int, bool, float]]:
+    def _parse(self, head: int, ring: Any, final: bool = False) -> list[tuple[int, bool, float]]:
+        """Samples from the entries claimed before the previous drain (`_settled`; all of them
+        when `final`); the newer ones are read at the next drain, when they have settled."""
         out = []
         idx = self._consumed
-        while idx < head:
-            if idx < head - RING_SIZE:  # overwritten by newer samples before we read it
-                skip = head - RING_SIZE - idx
-                self.ring_dropped += skip
-                idx += skip
-                continue
+        limit = head if final else min(self._settled, head)
+        if idx < head - RING_SIZE:  # overwritten by newer samples before we read them
+            self.ring_dropped += head - RING_SIZE - idx
+            idx = head - RING_SIZE
+        while idx < limit:
             slot, start, end, tag = (int(v) for v in ring[idx % RING_SIZE])
-            if tag != idx + 1:
-                break  # claimed but not yet visible: read it at the next drain
-            idx += 1
-            if 0 <= slot < len(self.slot_site) and end >= start:
+            if tag != idx + 1:  # lapped while this copy was taken
+                self.ring_dropped += 1
+            elif 0 <= slot < len(self.slot_site) and end >= start:
                 out.append((self.slot_site[slot], slot >= self.num_sites, (end - start) / 1e9))
-        self._consumed = idx
+            idx += 1
+        self._consumed = max(idx, self._consumed)
+        self._settled = head
         return out

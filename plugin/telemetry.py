@@ -398,7 +398,7 @@ class Telemetry:
                 if slot is None:
                     self.dropped[(SITES[site][0], "probe_slots_exhausted")] += 1
             if slot is not None:
-                probes.begin(slot, self.graph_stride)
+                probes.begin(slot)
                 result = fn(*args, **kwargs)
                 probes.end(slot, self.graph_stride)
             else:
@@ -413,7 +413,7 @@ class Telemetry:
         pre = self._before(site, check, args, kwargs) if checked else None
         probes = self.probes
         if probes and self.timing_stride and n % self.timing_stride == 0:
-            probes.begin(site, 1)  # eager slot == site, every probed call recorded
+            probes.begin(site)  # eager slot == site, every probed call recorded
             result = fn(*args, **kwargs)
             probes.end(site, 1)
         else:

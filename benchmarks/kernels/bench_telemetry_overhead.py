@@ -205,11 +205,12 @@ def probe_floor_us(reps: int) -> tuple[float, float]:
     slot = probes.graph_slot(telemetry.SITE_INDEX[("attention", "decode", "fuselane")])
 
     def pair() -> None:
-        probes.begin(slot, 1)
+        probes.begin(slot)
         probes.end(slot, 1)
 
     pair_ms = harness.time_graph(pair, calls_per_graph=50, reps=reps)
-    samples = [s for _, _, s in probes.drain()]
+    torch.cuda.synchronize()
+    samples = [s for _, _, s in probes.drain(final=True)]
     telemetry.reset()
     return pair_ms * 1e3, statistics.median(samples) * 1e6 if samples else math.nan
 
@@ -246,7 +247,8 @@ def run_case(step: Step, reps: int, report: harness.Report, verdicts: list[str])
         extra: dict[str, object] = {}
         if inst is not None:
             samples: dict[str, list[float]] = {"kv_cache": [], "attention": []}
-            for site, graph, seconds in inst.probes.drain() if inst.probes else []:
+            torch.cuda.synchronize()
+            for site, graph, seconds in inst.probes.drain(final=True) if inst.probes else []:
                 if graph:
                     samples[telemetry.SITES[site][0]].append(seconds)
             inst.checker.wait_idle(30)

@@ -167,7 +167,7 @@ def test_mixed_batch_matches_cpu_attn(vllm_config, dtype, case):
     n = common.num_actual_tokens
 
     fl_layer, fl_builder = _layer(
-        vllm_config, FuselaneAttentionBackend, f"fl.{case}", dtype, **kwargs
+        vllm_config, FuselaneAttentionBackend, f"fl.{case}.{str(dtype)[6:]}", dtype, **kwargs
     )
     fl_cache = _fuselane_cache(dtype)
     fl_out, fl_md = _run(
@@ -175,7 +175,7 @@ def test_mixed_batch_matches_cpu_attn(vllm_config, dtype, case):
     )
 
     cpu_layer, cpu_builder = _layer(
-        vllm_config, CPUAttentionBackend, f"cpu.{case}", dtype, **kwargs
+        vllm_config, CPUAttentionBackend, f"cpu.{case}.{str(dtype)[6:]}", dtype, **kwargs
     )
     cpu_cache = torch.zeros(NUM_BLOCKS, HKV, BLOCK, 2 * D, dtype=dtype)
     cpu_out, _ = _run(
@@ -216,7 +216,9 @@ def test_graph_replay_with_other_query_lengths_stays_exact(vllm_config, dtype):
     common, ctx_slots = _batch(MIXED, gen)
     kv_ctx, new = _inputs(MIXED, dtype, gen)
     n = common.num_actual_tokens
-    layer, builder = _layer(vllm_config, FuselaneAttentionBackend, "fl.graph", dtype)
+    layer, builder = _layer(
+        vllm_config, FuselaneAttentionBackend, f"fl.graph.{str(dtype)[6:]}", dtype
+    )
     cache = _fuselane_cache(dtype)
     out, md = _run(vllm_config, layer, builder, cache, common, ctx_slots, kv_ctx, new)
     replay = torch.full_like(out, float("nan"))

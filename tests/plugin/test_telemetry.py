@@ -497,23 +497,32 @@ def test_probe_ring_parser():
     probes.slot_site = [0, 1, 2, 3, 2, 2]  # slots 4, 5: captured calls of site 2
     probes.ring_dropped = 0
     probes._consumed = 0
+    probes._settled = 0
     size = kernel_timing.RING_SIZE
     ring = np.zeros((size, 4), dtype=np.int64)
 
-    def put(idx, slot, start, end, visible=True):
-        ring[idx % size] = (slot, start, end, idx + 1 if visible else 0)
+    def put(idx, slot, start, end):
+        ring[idx % size] = (slot, start, end, idx + 1)
 
     put(0, 1, 1000, 4000)
     put(1, 5, 10_000, 12_500)
-    put(2, 4, 0, 1, visible=False)  # claimed, not yet written
-    put(3, 0, 0, 10)
-    assert probes._parse(4, ring) == [(1, False, 3e-6), (2, True, 2.5e-6)]
     put(2, 4, 100, 1100)
-    assert probes._parse(4, ring) == [(2, True, 1e-6), (0, False, 1e-8)]
-    # the writer lapped the reader: what was overwritten is counted, the rest read
-    for i in range(4, 4 + size + 10):
+    # Entries claimed since the previous drain wait one more drain (their stores may be in
+    # flight: the probes order nothing), then they are read.
+    assert probes._parse(3, ring) == []
+    put(3, 0, 0, 10)
+    assert probes._parse(4, ring) == [(1, False, 3e-6), (2, True, 2.5e-6), (2, True, 1e-6)]
+    assert probes._parse(4, ring) == [(0, False, 1e-8)]
+    assert probes._parse(4, ring) == []
+    # After a synchronize the caller may read everything at once.
+    put(4, 3, 0, 2000)
+    assert probes._parse(5, ring, final=True) == [(3, False, 2e-6)]
+    # The writer lapped the reader: what was overwritten is counted, the rest read.
+    for i in range(5, 5 + size + 10):
         put(i, 3, 0, 1000)
-    got = probes._parse(4 + size + 10, ring)
+    head = 5 + size + 10
+    assert probes._parse(head, ring) == []  # settled bound was 5: nothing new below it
+    got = probes._parse(head, ring)
     assert probes.ring_dropped == 10 and len(got) == size
 
 
@@ -529,8 +538,8 @@ def test_probe_kernels_compile_for_sm90():
         target = GPUTarget("cuda", 90, 32)
         out = {}
         for name, fn, sig, const in [
-            ("begin", begin, {"state_ptr": "*i64", "slot": "i32", "stride": "i32",
-                              "MAX_SLOTS": "constexpr"}, {"MAX_SLOTS": MAX_SLOTS}),
+            ("begin", begin, {"state_ptr": "*i64", "slot": "i32", "MAX_SLOTS": "constexpr"},
+             {"MAX_SLOTS": MAX_SLOTS}),
             ("end", end, {"state_ptr": "*i64", "ring_ptr": "*i64", "slot": "i32",
                           "stride": "i32", "MAX_SLOTS": "constexpr", "RING": "constexpr"},
              {"MAX_SLOTS": MAX_SLOTS, "RING": RING_SIZE}),
@@ -558,8 +567,13 @@ def test_probe_kernels_compile_for_sm90():
         ptx = out[name]["ptx"]
         assert "%globaltimer" in ptx and out[name]["cubin"] > 0
         assert ".reqntid 32" in ptx  # one warp
-    assert "atom.global.gpu.acq_rel.add.u64" in out["begin"]["ptx"]
-    assert "atom.global" in out["end"]["ptx"] and "exch" in out["end"]["ptx"]
+    # The begin probe only stores; the end probe's atomics are relaxed (no fence, no
+    # ordering to wait for): the counter, and the ring head when the execution is sampled.
+    assert "atom" not in out["begin"]["ptx"] and "st.global" in out["begin"]["ptx"]
+    assert out["end"]["ptx"].count("atom.global.gpu.relaxed.add.u64") == 2
+    for name in ("begin", "end"):
+        ptx = out[name]["ptx"]
+        assert "fence" not in ptx and "membar" not in ptx and "exch" not in ptx
 
 
 # ---------------------------------------------------------------------------------- export
