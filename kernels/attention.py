@@ -235,15 +235,34 @@ def sm_count(device: torch.device) -> int:
 # and compute. Compiled for sm_90a here (triton.compile + ptxas -v, D=128, tile 128, 4 warps):
 # 2-4 stages: 1 buffer, 74 KiB shared memory, 230-255 registers (2 programs per SM, register-
 # bound); 5 stages: 2 buffers (one tile in flight during compute), 137 KiB (1 per SM); 7: 3
-# buffers, 201 KiB. Run 2's "2 vs 3 stages" were thus the same schedule. 3 stays the default
-# (run 2's best); 5 and 7 are swept in run 3.
+# buffers, 201 KiB. Run 2's "2 vs 3 stages" were thus the same schedule.
+# Two schedules: 3 stages, two programs per SM hiding each other's loads (kv-head-fastest
+# grid), or 5 stages, one program per SM with a K/V tile always in flight (seq-major grid).
+# Each gets its own split count; measured on an H200 (runs 5 and 6, 2026-11-22, ctx 4096 unless
+# given; us, 3-stage vs 5-stage plan): B=1 ctx 32k 44.7 (33 splits) vs 44.4 (16); B=4 25.8 vs
+# 26.3; B=16 82.8 vs 67.2; B=24 113.0 vs 124.7; B=32 125.3 vs 131.9; B=48 206.2 vs 196.7;
+# B=64 243.2 vs 255.1; B=128 ctx 8k 939.8 vs 966.8; B=256 ctx 2k 481.1 vs 517.6. The 5-stage
+# plan wins exactly where the 3-stage plan's last wave of programs is far from full (B=16: 128
+# programs on 264 slots, B=48: 384) and its own is not, so the rule compares the wave fill of
+# the unsplit batch (see wave_fill; splitting is the remedy for a batch too small for either)
+# and takes 5 stages only when they fill clearly better (WAVE_FILL_MARGIN). Against the
+# measurements above it loses only at B=4 (2%).
 DECODE_TILE_BYTES = 128 * 128 * 2  # one stage of K (or V): 128 tokens x 128 dims x bf16
 DECODE_MAX_TILE_N = 128  # the largest measured; D=64 stays at 128 tokens (32 KiB per stage)
 DECODE_WARPS = 4
 DECODE_STAGES = 3
+DECODE_STAGES_PIPELINED = 5
+WAVE_FILL_MARGIN = 0.1
 
 
-def _decode_tile(qpos: int, group: int, head_size: int) -> tuple[int, int, int, int]:
+def wave_fill(programs: int, slots: int) -> float:
+    """Busy fraction of the program slots over the waves a launch of `programs` needs."""
+    return programs / (slots * math.ceil(programs / slots))
+
+
+def _decode_tile(
+    qpos: int, group: int, head_size: int, num_stages: int = DECODE_STAGES
+) -> tuple[int, int, int, int]:
     """(block_m, tile_n, num_warps, num_stages) of the decode kernel.
 
     128 KV tokens per step at D <= 128 (64 KiB of bf16 K+V per pipeline stage at D = 128), 64 at
@@ -254,7 +273,7 @@ def _decode_tile(qpos: int, group: int, head_size: int) -> tuple[int, int, int, 
     head_pad = triton.next_power_of_2(head_size)
     tile_n = min(DECODE_MAX_TILE_N, DECODE_TILE_BYTES // (head_pad * 2))
     num_warps = DECODE_WARPS if block_m <= 64 else 8
-    return block_m, tile_n, num_warps, DECODE_STAGES
+    return block_m, tile_n, num_warps, num_stages
 
 
 def kv_buffers(num_stages: int) -> int:
@@ -267,6 +286,7 @@ def kv_buffers(num_stages: int) -> int:
 # Per SM on Hopper: 228 KiB of shared memory (1 KiB of it reserved per block), 64 Ki registers.
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_BLOCK_RESERVED = 1024
+SMEM_PER_BLOCK_MAX = 227 * 1024  # the opt-in limit of one block
 REGS_PER_SM = 65536
 # Registers per thread of the decode kernel (ptxas -v, sm_90a, Triton 3.6: 208-255 at 4 warps
 # for tile 128 D=128, split or not): taken as 255, i.e. at most 2 programs per SM at 4 warps.
@@ -297,12 +317,20 @@ def decode_programs_per_sm(
 # causal, S=8192; TFLOP/s): 128x64 4 warps 3 stages 394; 128x128 8 warps 2 stages 366; 128x64
 # 8 warps 3 stages (the previous default) 322, 4 stages 321 (the same K/V lookahead, see the
 # decode stages note); 64x64 4 warps 335; 64x128 273; 128x32 232. D=256: not measured (64 rows
-# keep Q and two K/V tiles in shared memory).
+# keep Q and two K/V tiles in shared memory). Grid order, run 5 (same shapes, TFLOP/s): the
+# kv-head-fastest grid (every head's heaviest q blocks first) beat the seq-major one at every
+# length, 370.7 vs 325.9 (S=4k), 405.1 vs 399.1 (8k), 421.7 vs 410.6 (16k): PREFILL_HEAD_FAST.
+# Run 6 (2026-11-22, same shapes): 256x64 tiles, 8 warps (two warpgroups sharing each K/V
+# tile), 5 stages (one K/V tile in flight), kv-head-fastest: 403.6 / 436.6 / 455.7 at 4k / 8k /
+# 16k vs 374.8 / 409.3 / 422.7 for 128x64 4 warps 3 stages; 3 stages 400.1 / 428.9 / 441.8;
+# seq-major 339.5 / 440.7 / 457.8; 128x128 8 warps 5 stages 357.6 / 401.8 / 406.8. D=64 keeps
+# the run-2 tile (not re-measured).
 PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
     64: (128, 64, 4, 3),
-    128: (128, 64, 4, 3),
+    128: (256, 64, 8, 5),
     256: (64, 64, 8, 2),
 }
+PREFILL_HEAD_FAST = True
 
 
 def _prefill_tile(group: int, head_size: int) -> tuple[int, int, int, int]:
@@ -377,13 +405,24 @@ def plan_launch(
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
     decode_only = max_query_len <= qpos_cap
     qpos = max(1, max_query_len) if decode_only else qpos_cap
-    block_m, tile_n, num_warps, num_stages = _decode_tile(qpos, group, head_size)
-    slots = sms * decode_programs_per_sm(
-        block_m, tile_n, head_size, num_warps, num_stages, kv_bytes
-    )
-    splits = _num_splits(
-        num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
-    )
+    # Two candidate schedules (see DECODE_STAGES_PIPELINED), each with its own split count;
+    # the pipelined one only where the unsplit batch fills its waves clearly better.
+    candidates = []
+    for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
+        block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
+        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > SMEM_PER_BLOCK_MAX:
+            continue
+        slots = sms * decode_programs_per_sm(
+            block_m, tile_n, head_size, num_warps, stages, kv_bytes
+        )
+        splits = _num_splits(
+            num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
+        )
+        candidates.append((wave_fill(num_seqs * num_kv_heads, slots), stages, splits))
+    fill, num_stages, splits = candidates[0]
+    if len(candidates) > 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
+        fill, num_stages, splits = candidates[1]
+    block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, num_stages)
     decode = DecodeConfig(
         qpos=qpos,
         block_m=block_m,
@@ -392,6 +431,7 @@ def plan_launch(
         max_q=0 if decode_only else qpos_cap,
         num_warps=num_warps,
         num_stages=num_stages,
+        head_fast=num_stages == DECODE_STAGES,
     )
     prefill = None
     if not decode_only:
@@ -402,6 +442,7 @@ def plan_launch(
             min_q=qpos_cap,
             num_warps=num_warps,
             num_stages=num_stages,
+            head_fast=PREFILL_HEAD_FAST,
         )
     return LaunchPlan(decode=decode, prefill=prefill)
 

@@ -27,8 +27,9 @@ Three pieces, used by `plugin/telemetry.py`:
   when the kernel has finished: there the host clock around the launch is the kernel's time
   (interpreter time, not GPU time), and no probe is launched.
 
-What a device sample measures: from the end of the begin probe to the start of the end probe,
-i.e. the kernel plus one inter-kernel gap on each side (graph replay: ~0.5 us). For eager
+What a device sample measures: from the begin probe's clock read to the end probe's, minus the
+same span of an empty probe pair measured at start-up (eager and under graph replay
+separately), i.e. the kernel plus one inter-kernel gap (graph replay: ~0.5 us). For eager
 launches the host's own launch gap is included when the GPU waits for the host (a CPU-bound
 step); graph-replayed samples carry the `launch="graph"` label and have no such gap.
 """
@@ -53,6 +54,10 @@ MAX_SLOTS = 4096
 # few hundred samples; overflow is counted, never blocks.
 RING_SIZE = 8192
 ENTRY_WORDS = 4
+# Empty probe pairs timed at start-up (eager, and replayed in a private graph) to measure the
+# probes' own share of a sample.
+CALIBRATION_PAIRS = 32
+CALIBRATION_REPLAYS = 4
 # The drain waits at most this long for its own small copy to land before trying again later.
 COPY_WAIT_S = 0.05
 
@@ -274,8 +279,42 @@ class DeviceProbes:
         self.begin(warm)
         self.end(warm, 1)
         torch.cuda.synchronize(device)
+        # What an empty probe pair reads, eager and under graph replay: subtracted from every
+        # sample of that kind, so a sample is the kernel plus one launch gap, not plus two
+        # probe halves and two gaps (which on a ~1 us kernel doubles it).
+        self.eager_floor_s = self._calibrate(graph=False)
+        self.graph_floor_s = self._calibrate(graph=True)
         self.state.zero_()
         self.ring.zero_()
+
+    def _calibrate(self, graph: bool) -> float:
+        """Median seconds between an empty pair's probes (0.0 if it cannot be measured)."""
+        slot = MAX_SLOTS - 1
+        self.state.zero_()
+
+        def pairs() -> None:
+            for _ in range(CALIBRATION_PAIRS):
+                self.begin(slot)
+                self.end(slot, 1)
+
+        try:
+            if graph:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    pairs()
+                self.state.zero_()
+                for _ in range(CALIBRATION_REPLAYS):
+                    g.replay()
+            else:
+                pairs()
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:  # a device or driver without graph capture: no correction
+            torch.cuda.synchronize(self.device)
+            return 0.0
+        head = min(int(self.state[2 * MAX_SLOTS]), RING_SIZE)
+        entries = self.ring[:head].cpu()
+        gaps = (entries[:, 2] - entries[:, 1]).double()
+        return float(gaps.median()) / 1e9 if head else 0.0
 
     def graph_slot(self, site: int) -> int | None:
         """A new slot for one probed captured call of `site`, or None when none is left."""
@@ -329,7 +368,10 @@ class DeviceProbes:
             if tag != idx + 1:  # lapped while this copy was taken
                 self.ring_dropped += 1
             elif 0 <= slot < len(self.slot_site) and end >= start:
-                out.append((self.slot_site[slot], slot >= self.num_sites, (end - start) / 1e9))
+                from_graph = slot >= self.num_sites
+                floor = self.graph_floor_s if from_graph else self.eager_floor_s
+                seconds = max(0.0, (end - start) / 1e9 - floor)
+                out.append((self.slot_site[slot], from_graph, seconds))
             idx += 1
         self._consumed = max(idx, self._consumed)
         self._settled = head

@@ -86,41 +86,36 @@ GOAL_OVER_FI_PREFILL = 0.9  # prefill TFLOP/s vs FlashInfer
 DEVICE = "cuda"  # a module constant so that the script's logic can be dry-run elsewhere
 BUDGET_S = 270.0  # sweeps are skipped past this many seconds (a run must stay under 5 minutes)
 
-# Sweeps (after every goal case; run 3 candidates). Decode: changes to the rule's DecodeConfig
-# (tile 128, 4 warps, 3 stages = no K/V prefetch, 2 programs per SM, fused merge, seq-major
-# grid). Gathered K/V get (num_stages - 1) // 2 buffers: 5 stages = one tile in flight during
-# compute (1 program per SM at tile 128), 7 = two (1 per SM); tile 64 with 7 stages = two tiles
-# in flight and 2 programs per SM. Splits are paired with the stages so that a point fills one
-# wave of its own program slots.
+# Sweeps (after every goal case; run 7 candidates). Decode: changes to the rule's DecodeConfig.
+# The rule (kernels/attention.py, DECODE_STAGES_PIPELINED): 3 stages, two programs per SM,
+# kv-head-fastest grid, unless 5 stages with one program per SM fill the unsplit batch's waves
+# clearly better. The sweeps check each side of that rule against the other and neighbours.
 DECODE_SWEEP_LARGE_B = [
+    dict(head_fast=False),  # run 5's default
     dict(num_stages=5),
-    dict(num_stages=7),
     dict(tile_n=64, num_stages=7),
-    dict(head_fast=True),  # kv head fastest: the programs of one sequence run together
 ]
 DECODE_SWEEP = {
-    1: [dict(num_splits=16, num_stages=5), dict(num_splits=16, num_stages=7),
-        dict(tile_n=64, num_stages=7), dict(head_fast=True), dict(fused_reduce=False)]
-    + [dict(num_splits=n) for n in (16, 24, 48, 64)],
-    16: [dict(num_splits=1), dict(num_splits=1, num_stages=5), dict(num_splits=1, num_stages=7),
-         dict(tile_n=64, num_stages=7), dict(num_splits=4), dict(fused_reduce=False),
-         dict(head_fast=True)],
-    64: [*DECODE_SWEEP_LARGE_B, dict(num_splits=2)],
-    128: [*DECODE_SWEEP_LARGE_B, dict(num_splits=2)],
+    1: [dict(num_stages=5, num_splits=16, head_fast=False), dict(head_fast=False),
+        dict(num_splits=24), dict(num_splits=48)],
+    16: [dict(head_fast=True), dict(num_splits=2), dict(num_stages=3, num_splits=2, head_fast=True),
+         dict(num_warps=8)],
+    64: DECODE_SWEEP_LARGE_B,
+    128: DECODE_SWEEP_LARGE_B,
     256: DECODE_SWEEP_LARGE_B,
 }  # fmt: skip
+# Batches between the measured cases, where the rule switches regime (ctx 4096): each timed
+# with the rule's plan and with the other regime's plan (decode_rule section).
+DECODE_RULE_BATCHES = (4, 8, 24, 32, 40, 48)
 # Prefill: (block_m, block_n, num_warps, num_stages, head_fast) at every prefill length; the
-# rule picks 128x64, 4 warps, 3 stages, head-major grid. With wgmma the pipeliner keeps one more
-# K/V buffer than for mma.sync, but at 3 stages still waits for every copy at the top of each
-# iteration (async_wait num=0); 5 stages keep one tile in flight (3 buffers, 129 KiB).
+# rule picks 256x64, 8 warps, 5 stages, kv-head-fastest grid. With wgmma the pipeliner keeps one
+# more K/V buffer than for mma.sync, but at 3 stages still waits for every copy at the top of
+# each iteration (async_wait num=0); 5 stages keep one tile in flight (3 buffers, 129 KiB).
 PREFILL_SWEEP = [
-    (128, 64, 4, 5, False),  # K/V one tile in flight during compute
-    (128, 64, 4, 3, True),
-    (256, 64, 8, 3, False),  # two warpgroups of 128 rows share each K/V tile
+    (128, 64, 4, 3, True),  # run 6's default
     (256, 64, 8, 5, False),
-    (128, 128, 8, 3, False),
-    (128, 128, 8, 5, False),  # 225 KiB of shared memory (of 227 per block)
-    (64, 64, 4, 5, False),
+    (256, 64, 8, 4, True),
+    (256, 32, 8, 5, True),
 ]
 # Order of the sweeps when the time budget may cut them: most informative first.
 SWEEP_ORDER = [("decode", 1), ("decode", 16), ("prefill", 8192), ("decode", 128),
@@ -675,6 +670,54 @@ def bench_decode_sweep(run: Runner, p: Problem, plan, nbytes: int, expected: Exp
             recheck(run, f"{section} {case} {label}", out, expected)
 
 
+def other_regime(run: Runner, plan: attn.LaunchPlan, p: Problem) -> attn.DecodeConfig:
+    """The decode config the rule would pick on the other side of its split-regime boundary
+    (5 stages + one program per SM <-> 3 stages + two, each with its own split count)."""
+    dec = plan.decode
+    stages = attn.DECODE_STAGES if dec.num_stages == attn.DECODE_STAGES_PIPELINED else (
+        attn.DECODE_STAGES_PIPELINED)  # fmt: skip
+    head_size, kv_bytes = p.q.shape[2], p.kv.element_size()
+    sms = attn.sm_count(p.q.device)
+    slots = sms * attn.decode_programs_per_sm(
+        dec.block_m, dec.tile_n, head_size, dec.num_warps, stages, kv_bytes
+    )
+    splits = attn._num_splits(len(p.lens), p.kv.shape[3], len(p.lens) * dec.qpos,
+                              p.q.shape[1], head_size, slots, sms, run.workspace)  # fmt: skip
+    return dataclasses.replace(dec, num_stages=stages, num_splits=splits,
+                               head_fast=stages == attn.DECODE_STAGES)  # fmt: skip
+
+
+def bench_decode_rule(run: Runner, pool, ok: bool, gen) -> None:
+    """Batches where the rule switches regime: the rule's plan, the other regime's, FlashInfer."""
+    if not ok:
+        return
+    section, ctx = "decode_rule", 4096
+    for batch in DECODE_RULE_BATCHES:
+        case = decode_case(batch, ctx)
+        p = make_problem([1] * batch, [ctx] * batch, gen, kv=pool)
+        nbytes = decode_bytes(p)
+        expected = Expected(p)
+        out = nan_like(p.q)
+        plan = default_plan(p, run)
+        fn = fuselane_fn(run, p, out)
+        if verify(run, f"{section} {case} fuselane", fn, out, expected):
+            run.time(section, case, "fuselane", fn, nbytes=nbytes, extra=plan_extra(plan))
+        alt = dataclasses.replace(plan, decode=other_regime(run, plan, p))
+        label = decode_label(alt.decode)
+        fn = fuselane_fn(run, p, out, alt)
+        if verify(run, f"{section} {case} {label}", fn, out, expected):
+            run.time(section, case, label, fn, nbytes=nbytes, extra=plan_extra(alt))
+        if run.peers.flashinfer is not None:
+            o = nan_like(p.q)
+            try:
+                f = run.peers.fi_decode_fn(p, o)
+            except Exception as e:  # noqa: BLE001
+                run.peers.note(f"{section} {case} flashinfer plan failed: {e!r}")
+            else:
+                if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
+                    run.time(section, case, "flashinfer", f, nbytes=nbytes)
+
+
 def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> None:
     """Time one prefill case; queue its sweep (run after every case) in `sweeps`."""
     section, case = "prefill", prefill_case(seq)
@@ -915,6 +958,8 @@ def main() -> int:
     ]
     sections += [lambda s=s: bench_prefill(run, pool, s, ok, gen, sweeps) for s in prefill_lens]
     sections.append(lambda: bench_mixed(run, pool, ok, gen))
+    if not (args.quick or args.no_sweep):
+        sections.append(lambda: bench_decode_rule(run, pool, ok, gen))
     # the sweeps last: the time budget may cut them, never a goal case
     if not (args.quick or args.no_sweep):
         sections.append(lambda: run_sweeps(run, sweeps))

@@ -68,10 +68,11 @@ AMBIG = 1e-4  # relative margin under which a mismatch is a rounding tie
 ALPHA = 1e-3
 BUDGET_S = 210.0  # the sweep stops here; everything before it is needed
 SWEEP = {  # (chunk, chunk-kernel warps, maxnreg or 0)
-    1: [(1024, 4, 0), (2048, 4, 0), (2048, 8, 0), (4096, 4, 0), (4096, 8, 0), (8192, 16, 0)],
-    32: [(2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (8192, 8, 0), (8192, 16, 0), (4096, 8, 128)],
-    256: [(4096, 4, 0), (4096, 8, 0), (4096, 8, 128), (8192, 8, 0), (8192, 16, 0), (8192, 16, 64)],
-}
+    256: [(4096, 4, 0), (4096, 8, 0), (4096, 8, 128), (4096, 4, 128), (2048, 4, 0),
+          (8192, 8, 0), (8192, 16, 128), (8192, 8, 128)],
+    32: [(2048, 4, 0), (4096, 4, 0), (8192, 8, 0), (8192, 16, 0), (4096, 8, 128)],
+    1: [(1024, 4, 0), (2048, 4, 0), (2048, 8, 0), (4096, 4, 0), (8192, 16, 0)],
+}  # fmt: skip
 
 
 def case_name(B: int, V: int, pen: bool) -> str:
@@ -178,6 +179,7 @@ class Runner:
     def __init__(self, report, device, t_start, timing=True):
         self.report, self.device, self.t_start, self.timing = report, device, t_start, timing
         self.ok = True
+        self.budget = BUDGET_S
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
@@ -419,15 +421,42 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
         run.time("sampling", name, label, fn, nbytes=nbytes)
 
 
+def run_profile(run: Runner, gen) -> None:
+    """Device time per kernel of the rule's launch, from the CUDA profiler (which launch of
+    the two holds the time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = run.device
+    for B, V in sorted(CASES, reverse=True):
+        for pen in (False, True):
+            x = make_logits(B, V, gen, dev)
+            prm = make_params(B, V, gen, dev, pen=pen)
+            ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5)
+            for _ in range(3):
+                smp.fused_sample(x, prm, workspace=ws, num_logprobs=None)
+            torch.cuda.synchronize()
+            calls = 20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    smp.fused_sample(x, prm, workspace=ws, num_logprobs=None)
+                torch.cuda.synchronize()
+            parts = []
+            for ev in prof.key_averages():
+                us = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+                if us > 0:
+                    parts.append(f"{ev.key[:40]} {us / calls:.1f} us")
+            run.note(f"profile {case_name(B, V, pen)}: " + "; ".join(parts))
+
+
 def run_sweep(run: Runner, gen) -> None:
     dev = run.device
-    for B, V in CASES:
+    for B, V in sorted(CASES, reverse=True):
         x = make_logits(B, V, gen, dev)
         prm = make_params(B, V, gen, dev)
         name = case_name(B, V, False)
         for chunk, warps, maxnreg in SWEEP[B]:
-            if run.elapsed() > BUDGET_S:
-                run.note(f"sweep stopped at {run.elapsed():.0f} s (budget {BUDGET_S:.0f} s)")
+            if run.elapsed() > run.budget:
+                run.note(f"sweep stopped at {run.elapsed():.0f} s (budget {run.budget:.0f} s)")
                 return
             impl = f"fuselane chunk={chunk} warps={warps}" + (
                 f" maxnreg={maxnreg}" if maxnreg else ""
@@ -491,6 +520,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="only the per-kernel profile and the sweep (no checks, no peers; own JSON name)",
+    )
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds before the sweep stops")
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="no GPU: run the checks on tiny shapes under the Triton interpreter",
@@ -508,7 +543,7 @@ def main() -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     gen = torch.Generator(device=dev).manual_seed(1234)
-    report = harness.Report("sampling")
+    report = harness.Report("sampling_tune" if args.tune else "sampling")
     copy_tbps = harness.copy_ceiling_tbps()
     empty_us = harness.empty_kernel_ms() * 1e3
     report.ceilings.update(copy_tbps=copy_tbps, empty_kernel_us=empty_us)
@@ -518,6 +553,17 @@ def main() -> int:
         flush=True,
     )
     run = Runner(report, dev, t_start)
+    run.budget = args.budget
+    if args.tune:
+        for section in (run_profile, run_sweep):
+            try:
+                section(run, gen)
+            except Exception as e:  # noqa: BLE001 - keep the other section and the JSON
+                run.note(f"{section.__name__} failed: {e!r}")
+                traceback.print_exc()
+        print(f"wrote {report.write(args.out)}")
+        print(report.table())
+        return 0 if run.ok else 1
     try:
         run_checks(run, gen, small=False)
     except Exception as e:  # noqa: BLE001 - keep going to the timed cases and the JSON

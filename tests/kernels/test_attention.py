@@ -469,23 +469,29 @@ def test_launches_depend_only_on_shapes(launch_log, q_lens, lens_a, lens_b):
 
 
 def test_split_rule_follows_batch_size():
-    """Hq=32, Hkv=8, D=128 bf16 on 132 SMs (two decode programs per SM, register-bound): as
-    many splits as fill one wave of program slots, none once the batch fills it; in between,
-    the split count of least modelled time (B=20: 160 programs fill one wave of 264 slots to
-    61%, 3 splits = 480 programs = two waves nearly full)."""
+    """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
+    stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
+    (132 slots). 5 stages only where the unsplit batch fills its waves clearly better (B=16:
+    128 programs fill 97% of 132 slots, 48% of 264; B=48: 97% vs 73%); then as many splits as
+    fill one wave (B=1: 33 x 8 = 264 programs), none once the batch fills it, the split count
+    of least modelled time in between (B=20: 3 splits = 480 programs = two waves nearly full)."""
     ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
-    batches = (1, 2, 8, 16, 20, 32, 33, 64, 256)
+    batches = (1, 2, 4, 8, 16, 20, 32, 48, 64, 256)
     plans = [
         attn.plan_launch(num_seqs=b, num_q_heads=32, num_kv_heads=8, head_size=128,
                          max_query_len=1, sms=132, workspace=ws).decode
         for b in batches
     ]  # fmt: skip
-    assert [p.num_splits for p in plans] == [33, 16, 4, 2, 3, 1, 1, 1, 1]
+    assert [p.num_stages for p in plans] == [3, 3, 5, 5, 5, 3, 3, 5, 3, 3]
+    assert [p.num_splits for p in plans] == [33, 16, 4, 2, 1, 3, 1, 1, 1, 1]
     for b, p in zip(batches, plans, strict=True):
-        assert (p.tile_n, p.num_warps, p.num_stages, p.fused_reduce) == (128, 4, 3, True)
-        costs = [attn.split_cost(b * 8, s, 2 * 132) for s in range(1, 65)]
-        if b * 8 < attn.NO_SPLIT_CTAS_PER_SM * 132:
+        assert (p.tile_n, p.num_warps, p.fused_reduce) == (128, 4, True)
+        assert p.head_fast == (p.num_stages == attn.DECODE_STAGES)
+        slots = 132 * (2 if p.num_stages == attn.DECODE_STAGES else 1)
+        if b * 8 < slots:
+            costs = [attn.split_cost(b * 8, s, slots) for s in range(1, 65)]
             assert costs[p.num_splits - 1] == min(costs)
+    assert attn.wave_fill(128, 132) == 128 / 132 and attn.wave_fill(384, 264) == 384 / 528
     # No workspace: unsplit.
     no_ws = attn.plan_launch(num_seqs=1, num_q_heads=32, num_kv_heads=8, head_size=128,
                              max_query_len=1, sms=132, workspace=None)  # fmt: skip
@@ -495,8 +501,8 @@ def test_split_rule_follows_batch_size():
 def test_tile_rules():
     """Decode: 128 KV tokens per step (64 at D=256), 4 warps, 3 stages. Its shared memory as
     Triton 3.6 compiles it for sm_90a (74240 / 140288 / 206336 bytes at 3 / 5 / 7 stages, tile
-    128; 105216 at tile 64, 7 stages) and the programs per SM that follow. Prefill: 128x64
-    tiles, 4 warps, 3 stages up to D=128 (the measured H200 winner, run 2)."""
+    128; 105216 at tile 64, 7 stages) and the programs per SM that follow. Prefill: 256x64
+    tiles, 8 warps, 5 stages for D in (64, 128] (the measured H200 winner, run 6), 128x64 at 64."""
     assert attn._decode_tile(1, 4, 128) == (16, 128, 4, 3)
     assert attn._decode_tile(8, 16, 128) == (128, 128, 8, 3)
     assert attn._decode_tile(1, 4, 256)[1] == 64
@@ -508,8 +514,10 @@ def test_tile_rules():
     assert [per_sm(16, 128, 128, 4, s, 2) for s in (3, 5, 7)] == [2, 1, 1]
     assert per_sm(16, 64, 128, 4, 7, 2) == 2
     assert per_sm(128, 128, 128, 8, 3, 2) == 1
-    for d in (64, 80, 96, 128):
-        assert attn._prefill_tile(4, d) == (128, 64, 4, 3)
+    assert attn._decode_tile(1, 4, 128, attn.DECODE_STAGES_PIPELINED)[3] == 5
+    assert attn._prefill_tile(4, 64) == (128, 64, 4, 3)
+    for d in (80, 96, 128):
+        assert attn._prefill_tile(4, d) == (256, 64, 8, 5)
     assert attn._prefill_tile(4, 256) == (64, 64, 8, 2)
     assert attn._prefill_tile(256, 128)[0] == 256  # a whole GQA group per tile
 

@@ -498,6 +498,8 @@ def test_probe_ring_parser():
     probes.ring_dropped = 0
     probes._consumed = 0
     probes._settled = 0
+    probes.eager_floor_s = 0.0
+    probes.graph_floor_s = 0.0
     size = kernel_timing.RING_SIZE
     ring = np.zeros((size, 4), dtype=np.int64)
 
@@ -524,6 +526,16 @@ def test_probe_ring_parser():
     assert probes._parse(head, ring) == []  # settled bound was 5: nothing new below it
     got = probes._parse(head, ring)
     assert probes.ring_dropped == 10 and len(got) == size
+    # The empty-pair floor of each launch kind comes off its samples, never below zero.
+    probes.eager_floor_s, probes.graph_floor_s = 0.5e-6, 0.8e-6
+    probes._consumed = probes._settled = 0
+    ring[:] = 0
+    put(0, 1, 1000, 4000)  # eager: 3 us - 0.5
+    put(1, 5, 10_000, 12_500)  # graph: 2.5 us - 0.8
+    put(2, 4, 100, 500)  # graph: 0.4 us, below the floor
+    got = probes._parse(3, ring, final=True)
+    assert [(site, graph) for site, graph, _ in got] == [(1, False), (2, True), (2, True)]
+    assert [round(sec * 1e9) for _, _, sec in got] == [2500, 1700, 0]
 
 
 def test_probe_kernels_compile_for_sm90():
