@@ -244,9 +244,11 @@ def sm_count(device: torch.device) -> int:
 # B=64 243.2 vs 255.1; B=128 ctx 8k 939.8 vs 966.8; B=256 ctx 2k 481.1 vs 517.6. The 5-stage
 # plan wins exactly where the 3-stage plan's last wave of programs is far from full (B=16: 128
 # programs on 264 slots, B=48: 384) and its own is not, so the rule compares the wave fill of
-# the unsplit batch (see wave_fill; splitting is the remedy for a batch too small for either)
-# and takes 5 stages only when they fill clearly better (WAVE_FILL_MARGIN). Against the
-# measurements above it loses only at B=4 (2%).
+# the unsplit batch (see wave_fill) and takes 5 stages only when they need no split and fill
+# clearly better (WAVE_FILL_MARGIN). Split batches keep 3 stages: run 7 (same shapes) B=4 25.7
+# (3 stages, 8 splits) vs 26.9 (5, 4); B=8 42.7 (4 splits) vs 43.1 (2); B=1 45.1 vs 44.2 is
+# the one loss (2%). Run 7 confirmed the rule at B=24 / 32 / 40 / 48: 112.8 / 124.6 / 184.9 /
+# 197.3 vs 125.1 / 132.2 / 199.3 / 205.0 for the other schedule.
 DECODE_TILE_BYTES = 128 * 128 * 2  # one stage of K (or V): 128 tokens x 128 dims x bf16
 DECODE_MAX_TILE_N = 128  # the largest measured; D=64 stays at 128 tokens (32 KiB per stage)
 DECODE_WARPS = 4
@@ -406,7 +408,7 @@ def plan_launch(
     decode_only = max_query_len <= qpos_cap
     qpos = max(1, max_query_len) if decode_only else qpos_cap
     # Two candidate schedules (see DECODE_STAGES_PIPELINED), each with its own split count;
-    # the pipelined one only where the unsplit batch fills its waves clearly better.
+    # the pipelined one only for a batch it runs unsplit and fills the waves of clearly better.
     candidates = []
     for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
         block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
@@ -420,7 +422,7 @@ def plan_launch(
         )
         candidates.append((wave_fill(num_seqs * num_kv_heads, slots), stages, splits))
     fill, num_stages, splits = candidates[0]
-    if len(candidates) > 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
+    if len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
         fill, num_stages, splits = candidates[1]
     block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, num_stages)
     decode = DecodeConfig(

@@ -103,14 +103,22 @@ _MODE_CODE = {
 MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
 
-# Launch configuration. Not yet measured on GPU: set from arithmetic and ptxas -v on sm_90a
-# (a chunk lives in registers, 16 fp32 values per thread: 8 warps for 4096, 16 for 8192, both
-# ~120 registers and no spills; the smaller chunk is used while the grid stays within ~15 waves
-# of programs on a 132-SM part, so small batches still spread each row over many programs).
-# benchmarks/kernels/bench_sampling.py --sweep times the alternatives.
-CHUNK_SMALL = 4096
-CHUNK_LARGE = 8192
-MAX_PROGRAMS_SMALL_CHUNK = 2048
+# Launch configuration, measured on an H200 (2026-11-22, benchmarks/kernels/bench_sampling.py
+# --tune, T=0.7 k=50 p=0.9, fp32 logits; us for (chunk, chunk-kernel warps, register cap)):
+# B=1 V=128256 (4096, 8) 30.3, (2048, 4) 30.8, (4096, 4) 31.7, (8192, 16) 35.6; B=32 (2048, 4)
+# 43.0, (4096, 8) 46.6, (8192, 8) 52.0; B=256 V=151936 (4096, 4, cap 128) 173.7, (8192, 8, cap
+# 128) 194.6, (4096, 8) 197.6, (2048, 4) 197.9, (4096, 4) 213.3, (8192, 16) 258.5. A chunk lives
+# in registers (8 to 16 fp32 values per thread); at large grids the 128-register cap lets four
+# 4-warp programs share an SM (16 warps of loads in flight instead of 8) without spills.
+# So: a grid of at most one program per SM keeps whole 4096-chunks at 8 warps (B=1: 32
+# programs); up to SMALL_CHUNK_PROGRAMS programs use 2048-chunks at 4 warps; larger grids
+# 4096-chunks, 4 warps, 128 registers.
+CHUNK_SMALL = 2048
+CHUNK_LARGE = 4096
+ONE_WAVE_PROGRAMS = 132
+SMALL_CHUNK_PROGRAMS = 2048
+LARGE_GRID_WARPS = 4
+LARGE_GRID_MAXNREG = 128
 MIN_CHUNK = 128
 CAP = 64  # candidates kept per chunk; rows whose kept set does not fit take the exact fallback
 FB_TILE = 256  # fallback pass tile (elements)
@@ -877,14 +885,24 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
+    """(chunk, chunk-kernel warps, register cap or 0) for a batch (see the launch-configuration
+    note): one chunk for small vocabularies; whole 4096-chunks at 8 warps while the grid is
+    within one program per SM; 2048-chunks at 4 warps up to SMALL_CHUNK_PROGRAMS programs;
+    else 4096-chunks, 4 warps, 128 registers."""
+    if vocab <= CHUNK_LARGE:
+        chunk = max(MIN_CHUNK, _next_pow2(vocab))
+        return chunk, max(1, min(16, chunk // 512)), 0
+    if batch * triton.cdiv(vocab, CHUNK_LARGE) <= ONE_WAVE_PROGRAMS:
+        return CHUNK_LARGE, 8, 0
+    if batch * triton.cdiv(vocab, CHUNK_SMALL) <= SMALL_CHUNK_PROGRAMS:
+        return CHUNK_SMALL, 4, 0
+    return CHUNK_LARGE, LARGE_GRID_WARPS, LARGE_GRID_MAXNREG
+
+
 def pick_chunk(batch: int, vocab: int) -> int:
-    """Chunk size rule (not yet measured on GPU): one chunk for small vocabularies, else 4096
-    while the grid stays within MAX_PROGRAMS_SMALL_CHUNK programs, else 8192."""
-    if vocab <= CHUNK_SMALL:
-        return max(MIN_CHUNK, _next_pow2(vocab))
-    if batch * triton.cdiv(vocab, CHUNK_SMALL) <= MAX_PROGRAMS_SMALL_CHUNK:
-        return CHUNK_SMALL
-    return CHUNK_LARGE
+    """The chunk size pick_launch chooses."""
+    return pick_launch(batch, vocab)[0]
 
 
 class SamplingWorkspace:
@@ -910,9 +928,9 @@ class SamplingWorkspace:
         chunk_warps: int | None = None,
         maxnreg: int | None = None,
     ) -> SamplingWorkspace:
-        """chunk, cap, chunk_warps (warps of the chunk kernel) and maxnreg (its register cap)
-        override the launch rule: tests use tiny chunk/cap to exercise every path, the
-        benchmark's --sweep times alternatives."""
+        """chunk, cap, chunk_warps (warps of the chunk kernel) and maxnreg (its register cap;
+        both apply only with chunk) override the launch rule: tests use tiny chunk/cap to
+        exercise every path, the benchmark's --sweep times alternatives."""
         if max_batch < 1 or vocab < 1:
             raise ValueError(f"max_batch and vocab: expected >= 1, got {max_batch}, {vocab}")
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
@@ -1269,7 +1287,9 @@ def fused_sample(
         )
     if n > ws.max_logprobs:
         raise ValueError(f"num_logprobs: workspace allows up to {ws.max_logprobs}, got {n}")
-    chunk = ws.chunk or pick_chunk(B, V)
+    chunk, warps, maxnreg = pick_launch(B, V)
+    if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
+        chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
     p = params
     torch.ops.fuselane.fused_sample_into(
@@ -1309,8 +1329,8 @@ def fused_sample(
         mode,
         chunk,
         ws.cap,
-        ws.chunk_warps,
-        ws.maxnreg,
+        warps,
+        maxnreg,
     )
     return SampleOutput(
         token_ids=ws.token_ids[:B],

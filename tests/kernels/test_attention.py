@@ -471,8 +471,9 @@ def test_launches_depend_only_on_shapes(launch_log, q_lens, lens_a, lens_b):
 def test_split_rule_follows_batch_size():
     """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
     stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
-    (132 slots). 5 stages only where the unsplit batch fills its waves clearly better (B=16:
-    128 programs fill 97% of 132 slots, 48% of 264; B=48: 97% vs 73%); then as many splits as
+    (132 slots). 5 stages only for a batch they run unsplit and fill the waves of clearly
+    better (B=16: 128 programs fill 97% of 132 slots, 48% of 264; B=48: 97% vs 73%; B=4 would
+    need splits: 3 stages); then as many splits as
     fill one wave (B=1: 33 x 8 = 264 programs), none once the batch fills it, the split count
     of least modelled time in between (B=20: 3 splits = 480 programs = two waves nearly full)."""
     ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
@@ -482,8 +483,8 @@ def test_split_rule_follows_batch_size():
                          max_query_len=1, sms=132, workspace=ws).decode
         for b in batches
     ]  # fmt: skip
-    assert [p.num_stages for p in plans] == [3, 3, 5, 5, 5, 3, 3, 5, 3, 3]
-    assert [p.num_splits for p in plans] == [33, 16, 4, 2, 1, 3, 1, 1, 1, 1]
+    assert [p.num_stages for p in plans] == [3, 3, 3, 3, 5, 3, 3, 5, 3, 3]
+    assert [p.num_splits for p in plans] == [33, 16, 8, 4, 1, 3, 1, 1, 1, 1]
     for b, p in zip(batches, plans, strict=True):
         assert (p.tile_n, p.num_warps, p.fused_reduce) == (128, 4, True)
         assert p.head_fast == (p.num_stages == attn.DECODE_STAGES)
