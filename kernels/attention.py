@@ -35,6 +35,7 @@ all, since CUDA-graph replays change sequence lengths under a captured launch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -406,7 +407,10 @@ def plan_launch(
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
     decode_only = max_query_len <= qpos_cap
-    qpos = max(1, max_query_len) if decode_only else qpos_cap
+    # Two tile shapes only (one position, or the cap), so that every kernel variant a serving
+    # run can meet is known in advance (see reachable_plans): speculative-verify batches of 2
+    # to 8 positions run in the cap's tile, their unused rows masked.
+    qpos = 1 if max_query_len <= 1 else qpos_cap
     # Two candidate schedules (see DECODE_STAGES_PIPELINED), each with its own split count;
     # the pipelined one only for a batch it runs unsplit and fills the waves of clearly better.
     candidates = []
@@ -447,6 +451,81 @@ def plan_launch(
             head_fast=PREFILL_HEAD_FAST,
         )
     return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def reachable_plans(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: AttentionWorkspace | None,
+    kv_bytes: int = 2,
+) -> list[LaunchPlan]:
+    """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
+    (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
+    group = num_q_heads // num_kv_heads
+    qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
+    # Beyond this many sequences every plan is the unsplit 3-stage one.
+    most_seqs = -(-NO_SPLIT_CTAS_PER_SM * sms // num_kv_heads) + 1
+    plans: list[LaunchPlan] = []
+    for max_query_len in (1, 2, qpos_cap + 1):
+        for num_seqs in range(1, most_seqs + 1):
+            plan = plan_launch(
+                num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_size=head_size, max_query_len=max_query_len, sms=sms,
+                workspace=workspace, kv_bytes=kv_bytes,
+            )  # fmt: skip
+            dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
+            plan = dataclasses.replace(plan, decode=dec)
+            if plan not in plans:
+                plans.append(plan)
+    return plans
+
+
+def warm_up(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    *,
+    num_q_heads: int,
+    q_dtype: torch.dtype,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    workspace: AttentionWorkspace | None = None,
+) -> int:
+    """Compile (by launching once on a one-token batch) every kernel variant `paged_attention`
+    can choose for these caches and heads; returns how many plans were launched.
+
+    For a serving engine's start-up, outside any CUDA-graph capture: a variant first met in the
+    middle of serving stalls that step for the compile (seconds). Launch arguments share every
+    property Triton specializes on with real calls: the real caches and workspace,
+    `block_table_row` a [1, max_blocks] slice of the real block table (its row stride), fresh
+    (aligned) q / out / offsets. Reads block `block_table_row[0, 0]` of the caches, writes only
+    its own scratch output.
+    """
+    head_size = key_cache.shape[3]
+    device = key_cache.device
+    plans = reachable_plans(
+        num_q_heads=num_q_heads, num_kv_heads=key_cache.shape[2], head_size=head_size,
+        sms=sm_count(device), workspace=workspace, kv_bytes=key_cache.element_size(),
+    )  # fmt: skip
+    window = 0 if sliding_window is None else sliding_window
+    for plan in plans:
+        q_len = plan.decode.qpos
+        q = torch.zeros(q_len, num_q_heads, head_size, dtype=q_dtype, device=device)
+        out = torch.empty_like(q)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([q_len], dtype=torch.int32, device=device)
+        _run(
+            q, key_cache, value_cache, out, cu, seq_lens, block_table_row, q_len, scale,
+            window, softcap, sinks, k_scale, v_scale, workspace, plan=plan,
+        )  # fmt: skip
+    return len(plans)
 
 
 def _check_args(

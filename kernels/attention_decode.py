@@ -280,7 +280,9 @@ def _merge_partials(
     )
 
 
-@triton.jit
+# Runtime ints that vary from batch to batch are not specialized (Triton would compile a new
+# variant for a value of 1 or a multiple of 16 in the middle of serving).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr,  # [num_tokens, Hq, D] fp16/bf16
     k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype or fp8 e4m3 (last dim contiguous)
@@ -590,8 +592,9 @@ def launch_decode(
     split = num_splits > 1
     fused = split and fused_reduce
     merge_m = triton.next_power_of_2(qpos * (num_q_heads // num_kv_heads))
-    red_splits = max(1, min(triton.next_power_of_2(num_splits),
-                            MERGE_STEP_ELEMENTS // (merge_m * head_pad)))  # fmt: skip
+    # One merge step size per tile shape, whatever the split count (masked lanes past it): a
+    # new split count must not mean a new compiled variant in the middle of serving.
+    red_splits = max(1, MERGE_STEP_ELEMENTS // (merge_m * head_pad))
     # Unused pointer arguments get a valid tensor: the constexpr switches keep them unread.
     dummy = seq_lens
     if head_fast:

@@ -29,7 +29,8 @@ from .attention_decode import LOG2E, NEG_BIG, _attend_range
 MAX_GRID_YZ = 65535
 
 
-@triton.jit
+# num_seqs varies per batch: not specialized (no new variant mid-serving for 1 or 16 sequences).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, Hq, D] fp16/bf16
     k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype or fp8 e4m3 (last dim contiguous)

@@ -781,6 +781,28 @@ def kv_cache_update(
     _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
 
 
+def warm_up_write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    key_dtype: torch.dtype,
+    slot_dtype: torch.dtype = torch.int64,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> int:
+    """Compile (by launching once) every variant of the write kernel a serving run can meet for
+    these caches: one launch per row bucket of the launch rule, on padding slots only (nothing
+    is written). For a serving engine's start-up, outside any CUDA-graph capture: a variant
+    first met mid-serving stalls that step for the compile. Returns the number of launches."""
+    _, _, num_kv_heads, head_size = key_cache.shape
+    sizes = [1] + [bound + 1 for bound, _ in _WRITE_ROWS_PER_PROGRAM[:-1]]
+    for rows in sizes:
+        key = torch.zeros(rows, num_kv_heads, head_size, dtype=key_dtype, device=key_cache.device)
+        slots = torch.full((rows,), -1, dtype=slot_dtype, device=key_cache.device)
+        kv_cache_update(key, key, key_cache, value_cache, slots, k_scale, v_scale)
+    return len(sizes)
+
+
 @kv_cache_update.register_fake
 def _kv_cache_update_fake(
     key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None

@@ -31,7 +31,7 @@ import torch
 from fuselane.kernels import attention as attn_kernels
 from fuselane.kernels import kv_cache as kv_kernels
 
-from . import active_selection, telemetry
+from . import active_selection, telemetry, warmup
 from . import vllm_compat as vc
 from .kv_write import FP8_MIN_CAPABILITY, SUPPORTED_KV_CACHE_DTYPES, FuselaneKVWriteMixin
 
@@ -227,6 +227,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         n = md.num_actual_tokens
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
+        self._fuselane_warm_up(query, key_cache, value_cache, md, k_scale, v_scale)
         _ATTENTION(
             md.phase,
             attn_kernels.paged_attention,
@@ -248,6 +249,49 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
             workspace=md.workspace,
         )
         return output
+
+    def _fuselane_warm_up(self, query, key_cache, value_cache, md, k_scale, v_scale) -> None:
+        """Compile every attention variant of this layer configuration now (plugin/warmup.py)."""
+        softcap = self.logits_soft_cap or 0.0
+        key = (
+            "attention", str(query.device), query.dtype, query.shape[1], key_cache.dtype,
+            tuple(key_cache.shape[1:]), key_cache.stride(), md.block_table.stride(0) % 16 == 0,
+            self._fuselane_window, softcap > 0, self.sinks is not None, md.workspace is None,
+        )  # fmt: skip
+        warmup.once(
+            "attention",
+            key,
+            query.device,
+            lambda: attn_kernels.warm_up(
+                key_cache,
+                value_cache,
+                md.block_table[:1],
+                num_q_heads=query.shape[1],
+                q_dtype=query.dtype,
+                scale=self.scale,
+                sliding_window=self._fuselane_window,
+                softcap=softcap,
+                sinks=self.sinks,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                workspace=md.workspace,
+            ),
+        )
+        if self._fuselane_kv_write and not self._writes_no_cache():
+            kv_key = ("kv_cache", str(query.device), query.dtype, key_cache.dtype,
+                      tuple(key_cache.shape[1:]), key_cache.stride())  # fmt: skip
+            warmup.once(
+                "kv_cache",
+                kv_key,
+                query.device,
+                lambda: kv_kernels.warm_up_write(
+                    key_cache,
+                    value_cache,
+                    key_dtype=query.dtype,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                ),
+            )
 
 
 class FuselaneAttentionBackend(vc.KVCacheShapeHooks, vc.AttentionBackend):

@@ -329,7 +329,8 @@ def test_prefill_and_mixed_match_reference(case):
 
 @pytest.mark.parametrize("q_lens", [[2, 5, 8], [3, 1, 4, 2]])
 def test_speculative_verify_batch(q_lens):
-    """max_query_len <= 8: only the decode kernel runs, with several query positions per tile."""
+    """max_query_len <= 8: only the decode kernel runs, in the tile of the position cap (8
+    positions of the GQA group), whatever the longest query."""
     seq_lens = [q + c for q, c in zip(q_lens, [30, 250, 17, 64], strict=False)]
     batch = make_batch(q_lens, seq_lens, num_q_heads=8, num_kv_heads=2, head_size=64,
                        block_size=16, seed=len(q_lens))  # fmt: skip
@@ -337,7 +338,7 @@ def test_speculative_verify_batch(q_lens):
         num_seqs=len(q_lens), num_q_heads=8, num_kv_heads=2, head_size=64,
         max_query_len=max(q_lens), sms=132, workspace=workspace(8, 64),
     )  # fmt: skip
-    assert plan.prefill is None and plan.decode.qpos == max(q_lens)
+    assert plan.prefill is None and plan.decode.qpos == attn.DECODE_MAX_QUERY_LEN
     run_case(batch, workspace=workspace(8, 64, rows=32))
 
 
@@ -725,3 +726,52 @@ def test_reference_matches_dense_sdpa():
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
     ).transpose(0, 1)
     assert_close(out[:37], want, atol=2e-3, rtol=2e-3, what="reference vs SDPA")
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up compilation of every variant
+# ----------------------------------------------------------------------------------------------
+
+
+def _variant(plan: attn.LaunchPlan) -> tuple:
+    """What makes a compiled variant: the plan without its split count (not specialized)."""
+    dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
+    return dec, plan.prefill
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(32, 8, 128), (28, 4, 128), (64, 1, 128), (16, 8, 256)]
+)
+def test_reachable_plans_cover_every_batch(hq, hkv, d):
+    """Every plan plan_launch makes for 1..600 sequences and query lengths 1..20 is, up to its
+    split count, one of reachable_plans: warming those up leaves nothing to compile later."""
+    ws = AttentionWorkspace.allocate(512, hq, d, CPU, max_splits=64)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_size=d, sms=132, workspace=ws)
+    reachable = {_variant(p) for p in attn.reachable_plans(**kw)}
+    seen = {
+        _variant(attn.plan_launch(num_seqs=b, max_query_len=q, **kw))
+        for b in range(1, 601)
+        for q in range(1, 21)
+    }
+    assert seen == reachable
+    assert len(reachable) <= 12
+
+
+def test_warm_up_launches_each_variant_without_touching_the_cache():
+    batch = make_batch([1], [40], num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       seed=5)  # fmt: skip
+    ws = workspace(8, 64)
+    k_before = batch["key_cache"].clone()
+    v_before = batch["value_cache"].clone()
+    launched = attn.warm_up(
+        batch["key_cache"], batch["value_cache"], batch["block_table"][:1], num_q_heads=8,
+        q_dtype=batch["q"].dtype, scale=0.125, workspace=ws,
+    )  # fmt: skip
+    assert launched == len(
+        attn.reachable_plans(
+            num_q_heads=8, num_kv_heads=2, head_size=64, sms=attn.CPU_SM_COUNT, workspace=ws
+        )
+    )
+    for cache, before in ((batch["key_cache"], k_before), (batch["value_cache"], v_before)):
+        assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # NaN pages too
+    assert int(ws.counters.abs().sum()) == 0  # the fused merges left their counters at zero

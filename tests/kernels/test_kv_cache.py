@@ -825,3 +825,16 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
         kv_cache_update(**_good_write_args(device=cpu))
     with pytest.raises(ValueError, match=r"^key: expected a CUDA tensor"):
         rope_kv_cache_update(**_good_rope_args(device=cpu))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_E4M3])
+def test_warm_up_write_launches_each_bucket_and_writes_nothing(dtype):
+    """Start-up compilation: one launch per row bucket of the launch rule, all padding slots."""
+    base = make_cache(4, 16, 2, 64, dtype, "nhd")
+    before = base.clone()
+    scale = torch.ones(1, dtype=torch.float32, device=DEVICE)
+    launched = kvc.warm_up_write(
+        *cache_views(base, "nhd", 64), key_dtype=torch.bfloat16, k_scale=scale, v_scale=scale
+    )
+    assert launched == len(kvc._WRITE_ROWS_PER_PROGRAM)
+    assert torch.equal(base.view(torch.uint8), before.view(torch.uint8))

@@ -1,0 +1,49 @@
+"""Kernel compilation at engine start-up, before the first request.
+
+Triton compiles a kernel variant the first time it is launched. A variant first met while
+serving stalls that step for the compile (seconds; vLLM's JIT monitor warns about it): a batch
+shape the start-up never produced (a mixed prefill + decode step, a new split count, a row bucket
+of the KV write). So the first eager call of each layer configuration launches every variant
+the launch rules can choose (`attention.warm_up`, `kv_cache.warm_up_write`) on a one-token
+batch, outside any CUDA-graph capture. Compiled variants are cached on disk by Triton, so a
+restart pays only the module loads. No-op off CUDA (the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+
+import torch
+
+from . import vllm_compat as vc
+
+_DONE: set[Hashable] = set()
+_LOCK = threading.Lock()
+
+
+def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[], int]) -> None:
+    """Run `compile_all` (returns the number of variants launched) the first time `key` is seen
+    on a CUDA device in this process, unless a CUDA graph is being captured; log what it did."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    with _LOCK:
+        if key in _DONE:
+            return
+        _DONE.add(key)
+    start = time.perf_counter()
+    launched = compile_all()
+    vc.get_logger().info(
+        "fuselane: %s kernels compiled for %d launch configurations in %.1f s (start-up, before "
+        "serving)",
+        kind,
+        launched,
+        time.perf_counter() - start,
+    )
+
+
+def reset() -> None:
+    """Forget what was compiled (tests)."""
+    with _LOCK:
+        _DONE.clear()
