@@ -202,12 +202,35 @@ def make_arms(names: Sequence[str] | None = None, with_all: bool | None = None) 
     if with_all:
         arms.insert(2, Arm("fuselane_all", None, {"FUSELANE_KERNELS": "all"}, needs_fuselane=True))
     if names:
-        known = {a.name: a for a in arms}
+        known = {a.name: a for a in arms + v1_runner_arms()}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise SystemExit(f"--arms: unknown {unknown}; known: {sorted(known)}")
         arms = [known[n] for n in names]
     return arms
+
+
+# vLLM 0.26 runs its V2 model runner on GPUs, whose sampler fuselane does not take over (its
+# noise and request API differ from 0.32/0.33's V2); the V1 runner's sampler it does. These two
+# arms (named with --arms, not run by default) compare `all` with FLASH_ATTN on the V1 runner.
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+REFERENCE_OF = {"fuselane_all_v1": "FLASH_ATTN_v1"}
+
+
+def v1_runner_arms() -> list[Arm]:
+    return [
+        Arm("FLASH_ATTN_v1", "FLASH_ATTN", {"FUSELANE_KERNELS": "none", **V1_RUNNER_ENV}),
+        Arm(
+            "fuselane_all_v1",
+            None,
+            {"FUSELANE_KERNELS": "all", **V1_RUNNER_ENV},
+            needs_fuselane=True,
+        ),
+    ]
+
+
+def reference_of(name: str) -> str:
+    return REFERENCE_OF.get(name, REFERENCE_ARM)
 
 
 def compile_cache_dir(arm: Arm) -> Path:
@@ -703,14 +726,16 @@ def correctness_verdict(fuselane_cmp: dict, triton_cmp: dict | None) -> dict[str
     }
 
 
-def ratios(arms: dict[str, dict[str, Any]], ref: str = REFERENCE_ARM) -> dict[str, Any]:
-    """Per arm: output tok/s / reference's per workload; p50 TTFT and ITL / reference's."""
+def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: output tok/s / its reference's per workload (`reference_of`: FLASH_ATTN on the
+    same model runner); p50 TTFT and ITL / reference's."""
     out: dict[str, Any] = {}
-    base = arms.get(ref) or {}
     for name, res in arms.items():
-        if name == ref:
+        ref = reference_of(name)
+        if name == ref or name in REFERENCE_OF.values():
             continue
-        r: dict[str, Any] = {"offline_output_tok_s": {}, "online": {}}
+        base = arms.get(ref) or {}
+        r: dict[str, Any] = {"reference": ref, "offline_output_tok_s": {}, "online": {}}
         for wl, v in (res.get("offline") or {}).items():
             b = (base.get("offline") or {}).get(wl) or {}
             if v.get("output_tok_s") and b.get("output_tok_s"):
@@ -795,7 +820,7 @@ def table(report: dict[str, Any]) -> str:
     for name, c in (report.get("correctness") or {}).items():
         if isinstance(c, dict) and "token_agreement" in c:
             lines.append(
-                f"correctness {name} vs {REFERENCE_ARM}: agreement "
+                f"correctness {name} vs {reference_of(name)}: agreement "
                 f"{_fmt(c['token_agreement'], '.3f')}, "
                 f"identical {c['prompts_identical']}/{c['prompts']}, max |dlogprob| prompt "
                 f"{_fmt(c['max_abs_logprob_diff_prompt'], '.4f')} generated "
@@ -824,6 +849,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=530.0, help="whole-run time budget")
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--no-results-copy", action="store_true", help="no copy in benchmarks/results")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="combine the results of several runs of one lease (same device) into one report "
+        "(ratios and correctness recomputed across all their arms), then exit",
+    )
     # internal: the arm's offline engine subprocess
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["offline"], help=argparse.SUPPRESS)
@@ -904,10 +936,13 @@ def new_report(args: argparse.Namespace) -> dict[str, Any]:
 def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     arms = report["arms"]
     report["ratios"] = ratios(arms)
-    ref = (arms.get(REFERENCE_ARM) or {}).get("correctness_raw")
     cmp = {}
     for name, res in arms.items():
-        if name != REFERENCE_ARM and res.get("correctness_raw") is not None and ref is not None:
+        ref_name = reference_of(name)
+        ref = (arms.get(ref_name) or {}).get("correctness_raw")
+        if name == ref_name or name in REFERENCE_OF.values():
+            continue
+        if res.get("correctness_raw") is not None and ref is not None:
             cmp[name] = compare_correctness(ref, res["correctness_raw"])
     report["correctness"] = cmp
     if "fuselane" in cmp:
@@ -968,12 +1003,38 @@ def run_arm_offline(arm: Arm, args: argparse.Namespace, logs: Path, timeout: flo
     return res
 
 
+def merge_reports(paths: Sequence[str]) -> dict[str, Any]:
+    """One report from several runs' JSON: arms united (a later run's arm replaces an earlier
+    one of the same name), plans and notes kept per run; refuses runs on different devices."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {json.dumps(r.get("device"), sort_keys=True) for r in reports}
+    if len(devices) != 1:
+        raise SystemExit(f"--merge: the runs are from different devices: {sorted(devices)}")
+    merged = {k: v for k, v in reports[0].items() if k not in ("arms", "plan", "notes")}
+    merged["arms"], merged["runs"], merged["notes"] = {}, [], []
+    for path, r in zip(paths, reports, strict=True):
+        merged["arms"].update(r.get("arms") or {})
+        merged["runs"].append({"file": Path(path).name, "started_at": r.get("started_at"),
+                               "elapsed_s": r.get("elapsed_s"), "plan": r.get("plan")})  # fmt: skip
+        merged["notes"] += [n for n in r.get("notes") or [] if n not in merged["notes"]]
+    starts = [r["started_at"] for r in reports if r.get("started_at")]
+    merged["started_at"] = min(starts) if starts else None
+    return finish_report(merged)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        report = merge_reports(args.merge)
+        for path in write_report(report, Path(args.out) if args.out else None,
+                                 not args.no_results_copy):  # fmt: skip
+            print(f"wrote {path}")
+        print(table(report))
+        return 0
     if args.smoke:
         apply_smoke()
     if args.worker == "offline":
-        arm = next(a for a in make_arms() if a.name == args.worker_arm)
+        arm = next(a for a in make_arms() + v1_runner_arms() if a.name == args.worker_arm)
         return worker_offline(
             arm, args.model, selected_workloads(args.quick), Path(args.worker_result)
         )

@@ -70,6 +70,37 @@ def test_arms(e2e):
     assert [a.name for a in e2e.make_arms(["TRITON_ATTN"], with_all=False)] == ["TRITON_ATTN"]
     with pytest.raises(SystemExit):
         e2e.make_arms(["nope"])
+    # The V1-runner pair: named only, compared with each other.
+    v1 = e2e.make_arms(["FLASH_ATTN_v1", "fuselane_all_v1"], with_all=False)
+    assert all(a.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" for a in v1)
+    assert v1[1].env["FUSELANE_KERNELS"] == "all" and v1[0].attention_backend == "FLASH_ATTN"
+    assert e2e.reference_of("fuselane_all_v1") == "FLASH_ATTN_v1"
+
+
+def test_merge_reports_of_one_lease(e2e, tmp_path):
+    """Runs of one lease combine into one report; each arm is compared with its reference."""
+    rep = _report(e2e)
+    second = {**rep, "started_at": "2026-11-22T02:00:00+00:00", "arms": {
+        "FLASH_ATTN_v1": {"status": "ok", "offline": {"256x512-256": {"output_tok_s": 100.0}}},
+        "fuselane_all_v1": {"status": "ok", "offline": {"256x512-256": {"output_tok_s": 110.0}}},
+    }}  # fmt: skip
+    paths = []
+    for i, r in enumerate((rep, second)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    merged = e2e.merge_reports([str(p) for p in paths])
+    assert set(merged["arms"]) == set(rep["arms"]) | {"FLASH_ATTN_v1", "fuselane_all_v1"}
+    assert merged["ratios"]["fuselane"]["offline_output_tok_s"]["256x512-256"] == pytest.approx(
+        1.05
+    )
+    ratio = merged["ratios"]["fuselane_all_v1"]
+    assert ratio["reference"] == "FLASH_ATTN_v1"
+    assert ratio["offline_output_tok_s"]["256x512-256"] == pytest.approx(1.1)
+    assert "FLASH_ATTN_v1" not in merged["ratios"] and len(merged["runs"]) == 2
+    other = {**second, "device": {"name": "NVIDIA H100"}}
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different devices"):
+        e2e.merge_reports([str(p) for p in paths])
 
 
 def test_engine_settings(e2e, monkeypatch):
@@ -173,7 +204,7 @@ def test_ratios_and_table(e2e):
     assert r["fuselane"]["offline_output_tok_s"]["256x512-256"] == pytest.approx(1.05)
     assert r["fuselane"]["online"]["rate_4"]["median_ttft_ms"] == pytest.approx(0.9)
     assert r["fuselane"]["online"]["rate_4"]["median_itl_ms"] == pytest.approx(1.1)
-    assert r["TRITON_ATTN"] == {"offline_output_tok_s": {}, "online": {}}
+    assert r["TRITON_ATTN"] == {"reference": "FLASH_ATTN", "offline_output_tok_s": {}, "online": {}}
     rep["ratios"] = r
     text = e2e.table(rep)
     assert "1.050" in text and "boom" in text and "FAILED" in text
