@@ -521,6 +521,12 @@ def test_tile_rules():
     for d in (80, 96, 128):
         assert attn._prefill_tile(4, d) == (256, 64, 8, 5)
     assert attn._prefill_tile(4, 256) == (64, 64, 8, 2)
+    # Launches that would not fill the GPU twice with 256-row tiles take 128-row ones.
+    assert attn._prefill_tile(4, 128, programs=263, sms=132) == (128, 64, 4, 3)
+    assert attn._prefill_tile(4, 128, programs=264, sms=132) == (256, 64, 8, 5)
+    plan = attn.plan_launch(num_seqs=1, num_q_heads=32, num_kv_heads=8, head_size=128,
+                            max_query_len=512, sms=132, workspace=None)  # fmt: skip
+    assert plan.prefill.block_m == 128
     assert attn._prefill_tile(256, 128)[0] == 256  # a whole GQA group per tile
 
 
@@ -539,6 +545,15 @@ def test_merge_and_grid_order_variants(fused, head_fast):
     sinks = torch.linspace(-1.0, 3.0, 8, device=DEVICE)
     for _ in range(2):  # a second call on the same workspace (a graph replay)
         run_case(batch, workspace=ws, plan=plan, sinks=sinks, sliding_window=200)
+
+
+def test_prefill_large_tile():
+    """The 256-row, 8-warp, 5-stage tile long prefills get (tiny batches here get 128 rows)."""
+    batch = make_batch([300, 1, 77], [300, 500, 400], num_q_heads=8, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=13)  # fmt: skip
+    ws = workspace(8, 128)
+    plan = plan_for(batch, ws, prefill_changes=dict(block_m=256, num_warps=8, num_stages=5))
+    run_case(batch, workspace=ws, plan=plan, sliding_window=120)
 
 
 def test_prefill_grid_order_head_fast():
@@ -751,7 +766,7 @@ def test_reachable_plans_cover_every_batch(hq, hkv, d):
     seen = {
         _variant(attn.plan_launch(num_seqs=b, max_query_len=q, **kw))
         for b in range(1, 601)
-        for q in range(1, 21)
+        for q in (*range(1, 21), 512, 2048, 4096, 16384)
     }
     assert seen == reachable
     assert len(reachable) <= 12
