@@ -114,7 +114,8 @@ WORKLOADS = (
 # Servers start after every arm's offline engine, in this order, while the budget lasts (8 engine
 # starts do not fit in 9 minutes at ~45-65 s each): the online goal compares fuselane with
 # FLASH_ATTN.
-ONLINE_PRIORITY = ("FLASH_ATTN", "fuselane", "TRITON_ATTN", "fuselane_all")
+ONLINE_PRIORITY = ("FLASH_ATTN", "fuselane", "TRITON_ATTN", "fuselane_all", "FLASH_ATTN_v1",
+                   "fuselane_all_v1")  # fmt: skip
 # Offline warm-up before the workloads: prompts, input length, output length.
 WARMUP = (32, 512, 16)
 # Online: (input, output) per request and the request rates (req/s); each rate sends

@@ -75,6 +75,8 @@ def test_arms(e2e):
     assert all(a.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" for a in v1)
     assert v1[1].env["FUSELANE_KERNELS"] == "all" and v1[0].attention_backend == "FLASH_ATTN"
     assert e2e.reference_of("fuselane_all_v1") == "FLASH_ATTN_v1"
+    every = e2e.make_arms(with_all=True) + e2e.v1_runner_arms()
+    assert sorted(a.name for a in every) == sorted(e2e.ONLINE_PRIORITY)  # every arm has a turn
 
 
 def test_merge_reports_of_one_lease(e2e, tmp_path):
