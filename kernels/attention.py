@@ -367,6 +367,27 @@ def split_cost(pairs: int, splits: int, slots: int) -> float:
     return waves * (1.0 / splits + PROGRAM_OVERHEAD)
 
 
+@dataclass(frozen=True)
+class SplitRoom:
+    """What the split rule needs of a workspace: its buffer sizes (elements) and split cap."""
+
+    partial_out: int
+    partial_ml: int
+    counters: int
+    max_splits: int
+
+
+def split_room(workspace: AttentionWorkspace | None) -> SplitRoom | None:
+    if workspace is None:
+        return None
+    return SplitRoom(
+        workspace.partial_out.numel(),
+        workspace.partial_ml.numel(),
+        workspace.counters.numel(),
+        workspace.max_splits,
+    )
+
+
 def _num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -375,7 +396,7 @@ def _num_splits(
     head_size: int,
     slots: int,
     sms: int,
-    workspace: AttentionWorkspace | None,
+    workspace: SplitRoom | None,
 ) -> int:
     """Split count from the batch shape, the program slots and the workspace (never lengths).
 
@@ -391,10 +412,10 @@ def _num_splits(
     head_pad = triton.next_power_of_2(head_size)
     row_heads = rows * num_q_heads
     fit = min(
-        workspace.partial_out.numel() // (row_heads * head_pad),
-        workspace.partial_ml.numel() // (row_heads * 2),
+        workspace.partial_out // (row_heads * head_pad),
+        workspace.partial_ml // (row_heads * 2),
     )
-    if workspace.counters.numel() < pairs:
+    if workspace.counters < pairs:
         fit = 1
     best, best_cost = 1, split_cost(pairs, 1, slots)
     for splits in range(2, min(workspace.max_splits, fit, MAX_GRID_YZ) + 1):
@@ -417,8 +438,27 @@ def plan_launch(
 ) -> LaunchPlan:
     """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
 
-    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8).
+    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). Memoized: every layer of
+    a step asks the same question, and on the eager (piecewise-graph) path vLLM runs attention
+    in, host time per layer is step time.
     """
+    return _plan_launch(
+        num_seqs, num_q_heads, num_kv_heads, head_size, max_query_len, sms,
+        split_room(workspace), kv_bytes,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan_launch(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    sms: int,
+    workspace: SplitRoom | None,
+    kv_bytes: int,
+) -> LaunchPlan:
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
     decode_only = max_query_len <= qpos_cap

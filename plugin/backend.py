@@ -192,6 +192,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         # Queries stay in the model dtype: the kernel does not read fp8 queries.
         self.supports_quant_query_input = False
         self._fuselane_kv_write = active_selection().backend_writes_kv_cache
+        self._fuselane_warmed = False
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         return False
@@ -227,7 +228,8 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         n = md.num_actual_tokens
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
-        self._fuselane_warm_up(query, key_cache, value_cache, md, k_scale, v_scale)
+        if not self._fuselane_warmed:
+            self._fuselane_warm_up(query, key_cache, value_cache, md, k_scale, v_scale)
         _ATTENTION(
             md.phase,
             attn_kernels.paged_attention,
@@ -251,7 +253,12 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         return output
 
     def _fuselane_warm_up(self, query, key_cache, value_cache, md, k_scale, v_scale) -> None:
-        """Compile every attention variant of this layer configuration now (plugin/warmup.py)."""
+        """Compile every attention variant of this layer configuration now (plugin/warmup.py);
+        once per layer (a CUDA-graph capture defers it to the next eager call)."""
+        if query.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self._fuselane_warmed = query.device.type != "cuda"
+            return
+        self._fuselane_warmed = True
         softcap = self.logits_soft_cap or 0.0
         key = (
             "attention", str(query.device), query.dtype, query.shape[1], key_cache.dtype,

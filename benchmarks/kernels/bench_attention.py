@@ -283,21 +283,23 @@ class Expected:
     first rows are a prefill of that length, the last ones a chunk ending at key S.
     """
 
-    def __init__(self, p: Problem, prefill: bool = False) -> None:
+    def __init__(self, p: Problem, prefill: bool = False, **options) -> None:
+        """options: the case's options of `reference` (scale, sliding_window, softcap, ...)."""
         self.prefill = prefill
         if prefill:
-            s, r = p.lens[0], PREFILL_CHECK_ROWS
-            self.head = reference(sub_problem(p, slice(0, r), r))
-            self.tail = reference(sub_problem(p, slice(s - r, s), s))
+            s = p.lens[0]
+            self.rows = r = min(PREFILL_CHECK_ROWS, s)
+            self.head = reference(sub_problem(p, slice(0, r), r), **options)
+            self.tail = reference(sub_problem(p, slice(s - r, s), s), **options)
             self.seq = s
         else:
-            self.full = reference(p)
+            self.full = reference(p, **options)
             self.rows = p.num_rows
 
     def check(self, out: torch.Tensor) -> tuple[bool, str]:
         if not self.prefill:
             return compare(out, self.full, self.rows)
-        r = PREFILL_CHECK_ROWS
+        r = self.rows
         ok1, d1 = compare(out[:r], self.head, r)
         ok2, d2 = compare(out[self.seq - r : self.seq], self.tail, r)
         return ok1 and ok2, f"first rows: {d1}; last rows: {d2}"
@@ -681,8 +683,9 @@ def other_regime(run: Runner, plan: attn.LaunchPlan, p: Problem) -> attn.DecodeC
     slots = sms * attn.decode_programs_per_sm(
         dec.block_m, dec.tile_n, head_size, dec.num_warps, stages, kv_bytes
     )
+    room = attn.split_room(run.workspace)
     splits = attn._num_splits(len(p.lens), p.kv.shape[3], len(p.lens) * dec.qpos,
-                              p.q.shape[1], head_size, slots, sms, run.workspace)  # fmt: skip
+                              p.q.shape[1], head_size, slots, sms, room)  # fmt: skip
     return dataclasses.replace(dec, num_stages=stages, num_splits=splits,
                                head_fast=stages == attn.DECODE_STAGES)  # fmt: skip
 
