@@ -4,6 +4,8 @@
 #   docker build -t fuselane:0.1.0 --build-arg VLLM_VERSION=v0.33.0 .
 #   docker run --gpus all -p 8000:8000 -e FUSELANE_KERNELS=all \
 #       -v ~/.cache/huggingface:/root/.cache/huggingface fuselane:0.1.0 --model MODEL
+#   docker run --gpus all -v $PWD/out:/out --entrypoint fuselane fuselane:0.1.0 \
+#       bench kernels --out /out        # fuselane's kernels against vLLM's and FlashInfer's
 #
 # The image's entry point is vLLM's own (`vllm serve`); fuselane is loaded through its
 # `vllm.general_plugins` entry point in every vLLM process, and FUSELANE_KERNELS picks the

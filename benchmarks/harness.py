@@ -27,17 +27,23 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def device_info() -> dict[str, object]:
-    """Name, versions and size of the current CUDA device."""
+    """Name, versions and size of the current CUDA device; without one, the host CPU's name
+    (dry runs of a benchmark's logic under Triton's interpreter)."""
+    versions = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    if not torch.cuda.is_available():
+        return {"device": f"cpu ({platform.machine()}, Triton interpreter)", **versions}
     props = torch.cuda.get_device_properties(0)
     return {
         "device": props.name,
         "sm_count": props.multi_processor_count,
         "capability": f"{props.major}.{props.minor}",
         "memory_gib": round(props.total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
+        **versions,
     }
 
 

@@ -1,19 +1,18 @@
 """The sampler hook: vLLM's sampling step runs fuselane's fused sampling kernel (issue 5).
 
 Seam (DESIGN.md "Hooking into vLLM"): `install()` (called by `register()` when
-FUSELANE_KERNELS has `sampling`) rebinds the module-global name `Sampler` of vLLM's V1 model
-runner module (`vllm.v1.worker.gpu_model_runner`; the CPU runner inherits it) to
-`FuselaneSampler`, a subclass of vLLM's own `Sampler`, only while the name is still vLLM's class.
-The module is usually not imported yet when plugins load, so the rebinding runs from a
-post-import hook (a `sys.meta_path` finder that wraps that one module's loader). The runner,
-its rejection sampler and its dummy/profile sampler runs get the subclass; vLLM's other
-samplers are untouched. The undo restores the name (if it is still ours) and removes the
-finder. The V2 runner module (`vllm.v1.worker.gpu.model_runner`) gets only a placeholder
-subclass of V2's `Sampler` (fuselane's V2 path is not built yet): it warns when the V2 runner
-builds it and runs vLLM's sampler, counted as `stock:v2_runner`.
+FUSELANE_KERNELS has `sampling`) rebinds the module-global name `Sampler` of vLLM's two model
+runner modules to a fuselane subclass of vLLM's own class, only while the name is still vLLM's
+class: V1 (`vllm.v1.worker.gpu_model_runner`, the CPU runner inherits it) gets
+`FuselaneSampler`, V2 (`vllm.v1.worker.gpu.model_runner`, the GPU default in 0.32/0.33; vLLM's
+CPU V2 runner subclasses it) gets `FuselaneV2Sampler`. The modules are usually not imported yet
+when plugins load, so the rebinding runs from a post-import hook (a `sys.meta_path` finder that
+wraps those modules' loaders). Each runner, its rejection sampler and its dummy/profile sampler
+runs get the subclass; vLLM's other samplers (watermark, MTP) are untouched. The undo restores
+the names (if they are still ours) and removes the finder.
 
-Per batch (V1 `SamplingMetadata`), `FuselaneSampler.forward` runs `fused_sample` when everything
-the batch asks for is supported, else vLLM's own `forward` for the whole batch:
+V1, per batch (`SamplingMetadata`): `FuselaneSampler.forward` runs `fused_sample` when
+everything the batch asks for is supported, else vLLM's own `forward` for the whole batch:
 
 - fused: greedy / random / mixed rows (temperature), top-k, top-p, min-p (vLLM's builtin
   min-p processor's tensor), repetition / frequency / presence penalties (`penalty_state_from_v1`
@@ -25,13 +24,45 @@ the batch asks for is supported, else vLLM's own `forward` for the whole batch:
   fp32/bf16/fp16, thinking budget, and any row with NaN logits (the fused result is discarded
   and the batch re-sampled by stock: one host sync per fused step for the NaN check).
 
-Seeded rows: V1 keeps a torch.Generator per seeded request and draws `probs / Exp(1)` from it;
-fuselane's kernel draws murmur3 Gumbel noise from an int64 seed. Each step, a seeded row's seed
-is a fresh 62-bit integer drawn from the request's own generator (one `randint` on the
+V1 seeded rows: V1 keeps a torch.Generator per seeded request and draws `probs / Exp(1)` from
+it; fuselane's kernel draws murmur3 Gumbel noise from an int64 seed. Each step, a seeded row's
+seed is a fresh 62-bit integer drawn from the request's own generator (one `randint` on the
 generator's device). So the same request seed gives the same tokens run to run, preemption and
 batch composition do not matter (the generator's state is per request, as in stock), but the
 draws are not stock's bit for bit: the distribution is the same, the tokens are not. Unseeded
 rows take the kernel's global-generator seeds.
+
+V2 (vLLM >= 0.32; `vllm_compat.v2_sampler_api_gap` says why an older V2 sampler, 0.26's, keeps
+vLLM's path with a warning, counted `stock:v2_version`): `FuselaneV2Sampler` overrides
+`add_request` (records per request slot what V2 turns on that the kernel cannot take) and
+`__call__` (decides per batch from host data only, then one `fused_sample` call). Its inputs are
+V2's own per-slot state, read in place: `SamplingStates` (temperature, top_k, top_p, min_p,
+seeds), `PenaltiesState` (prompt_bin_mask, output_bin_counts, kept by V2's bincount and
+post_update; the rows reach them through `state_slots` = expanded_idx_mapping) and
+`LogitBiasState`'s padded per-slot bias lists; the per-row scalars are gathered (one small
+launch each), nothing [S, V]-sized is copied. V2 gives every slot a seed (a random one for
+unseeded requests) and draws Gumbel noise as murmur3(seed, position, token); the kernel takes
+the same seeds with `seed_offsets` = positions and the same formulas in the same order (bias,
+penalties, temperature as `y / T`, min-p, top-k, top-p), so its tokens are stock V2's bit for
+bit, seeded or not, except where stock V2 itself draws otherwise: FlashInfer's sampler (V2 uses
+it for batches with top-k/top-p and no greedy row, no explicit seed, no processed logprobs when
+FlashInfer is installed) and V2's Triton top-k, which keeps exactly k where the k-th value is
+tied (the kernel keeps the whole tie, as V2's torch path does).
+
+- fused: greedy / random / mixed rows, top-k, top-p, min-p, repetition / frequency / presence
+  penalties, logit bias, min_tokens once every row is past it, logprobs n in [0, 128] in
+  `raw_logprobs` / `raw_logits` (token ids, values, V2's rank over the raw logits), num_nans
+  (VLLM_COMPUTE_NANS_IN_LOGITS) from the kernel's NaN count, the dummy/profile batches.
+- stock (reason counted): per slot allowed token ids, bad words, thinking budget, trace replay;
+  per batch active min_tokens (stop tokens still masked: V2 masks them while
+  `pos + 1 < prompt_len + min_tokens`, checked on the host's sequence-length bound), draft rows
+  (`spec_decode`: rows != requests, num_draft_tokens > 0), logprob_token_ids, num_logprobs == -1
+  or > 128, processed-logprob modes (V2's rank would need its processed-logits tensor), logits
+  dtype / vocabulary mismatch; per sampler fp64 gumbel, `return_sampling_mask`, any custom
+  logits processor.
+- NaN logits: no host sync on the V2 path (V2 prepares the next step while this one runs; a
+  sync would stall it). The kernel never samples a NaN (stock V2 may pick one) and the batch
+  stays fused.
 
 Counters: `counters()` (per process) has `fused`, `stock`, and `stock:<reason>`; the telemetry
 seams (`plugin/telemetry.py`) count and time both paths as `impl="fuselane"` / `impl="stock"`.
@@ -47,12 +78,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import telemetry, vllm_compat
 from .config import KernelSelection
 
-__all__ = ["counters", "install", "make_v1_sampler", "reset_counters"]
+__all__ = ["counters", "install", "make_v1_sampler", "make_v2_sampler", "reset_counters"]
 
 _SAMPLING = telemetry.seam(telemetry.SAMPLING)
 _SAMPLING_STOCK = telemetry.seam(telemetry.SAMPLING, impl=telemetry.STOCK)
@@ -298,21 +330,285 @@ def make_v1_sampler(base: type) -> type:
     return FuselaneSampler
 
 
-def make_v2_placeholder(base: type) -> type:
-    """vLLM V2's `Sampler` with a warning when the V2 runner builds it: fuselane's V2 path is not
-    built yet, so every step runs vLLM's sampler (counted and timed as `impl="stock"`)."""
+# ---------------------------------------------------------------------------------------------
+# V2: per-slot and per-batch decisions, parameters straight from V2's per-slot states
+# ---------------------------------------------------------------------------------------------
+
+
+def _unsupported_v2_request(sampler: Any, sp: Any) -> str | None:
+    """Why requests with SamplingParams `sp` must take vLLM's path (checked once, in add_request).
+
+    Each condition is the one under which V2's own state turns the feature on for the slot
+    (LogitBiasState, BadWordsState, ThinkingBudgetState, TraceReplayState.add_request).
+    """
+    if getattr(sp, "allowed_token_ids", None):
+        return "allowed_token_ids"
+    if getattr(sp, "bad_words_token_ids", None):
+        return "bad_words"
+    thinking = getattr(sampler, "thinking_budget_state", None)
+    budget = getattr(sp, "thinking_token_budget", None)
+    if getattr(thinking, "enabled", False) and budget is not None:
+        return "thinking_budget"
+    if (
+        getattr(sampler, "trace_replay_state", None) is not None
+        and getattr(sp, "trace_decode_token_ids", None) is not None
+    ):
+        return "trace_replay"
+    return None
+
+
+def _unsupported_v2_sampler(sampler: Any) -> str | None:
+    """Why no batch of this V2 sampler can be fused (its construction options), or None."""
+    if getattr(sampler, "use_fp64_gumbel", False):
+        return "fp64_gumbel"
+    if getattr(sampler, "return_sampling_mask", False):
+        return "sampling_mask"  # needs V2's processed-logits tensor
+    builtin = (
+        vllm_compat.V2LogitBiasState,
+        vllm_compat.V2PenaltiesState,
+        vllm_compat.V2BadWordsState,
+    )
+    if any(type(p) not in builtin for p in getattr(sampler, "logits_processors", ())):
+        return "logits_processor"
+    if sampler._fuselane_bias_state is None:
+        return "no_bias_state"
+    return None
+
+
+def _unsupported_v2(
+    sampler: Any, logits: torch.Tensor, batch: Any
+) -> tuple[str | None, int | None]:
+    """(why this batch must take vLLM's path or None, num_logprobs or None). Host data only."""
+    from fuselane.kernels import sampling
+
+    if sampler._fuselane_reason is not None:
+        return sampler._fuselane_reason, None
+    # Draft rows: the rejection sampler normally takes them; an expanded batch that reaches
+    # the plain sampler keeps vLLM's per-draft penalties and cu_num_logits handling.
+    if batch.num_draft_tokens or logits.ndim != 2 or logits.shape[0] != batch.num_reqs:
+        return "spec_decode", None
+    if logits.shape[0] == 0:
+        return "empty", None
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(-1) != 1:
+        return "dtype", None
+    if logits.shape[1] != sampler.sampling_states.vocab_size:
+        return "vocab", None
+    idx_np = batch.idx_mapping_np
+    codes = sampler._fuselane_slot_reason[idx_np]
+    if codes.any():
+        return _V2_SLOT_REASONS[int(codes[codes.nonzero()[0][0]])], None
+    if _min_tokens_active(sampler, batch):
+        return "min_tokens", None
+    n = None
+    dims = sampler.get_logprobs_dims(idx_np)
+    if dims is not None:
+        n, num_token_ids = dims
+        if num_token_ids:
+            return "logprob_token_ids", None
+        if n > sampling.MAX_LOGPROBS or n > logits.shape[1]:
+            return "num_logprobs", None
+        if sampler.logprobs_mode not in _FUSED_LOGPROBS_MODES:
+            # The rank of the chosen token would need V2's processed-logits tensor.
+            return "logprobs_mode", None
+    return None, n
+
+
+_V2_SLOT_REASONS = (None, "allowed_token_ids", "bad_words", "thinking_budget", "trace_replay")
+
+
+def _min_tokens_active(sampler: Any, batch: Any) -> bool:
+    """Whether a row of the batch still has its stop tokens masked by min_tokens.
+
+    V2 masks them (a bias of -inf) while `pos + 1 < prompt_len + min_tokens`, a per-step
+    condition the kernel's static per-slot bias lists cannot express; once every row is past
+    it, the batch is fused. pos + 1 is the row's sequence length; the host's bound on it is
+    exact without speculation and may exceed it by the drafts a step rejected with it, so the
+    check keeps that many tokens of slack.
+    """
+    bias = sampler._fuselane_bias_state
+    idx_np = batch.idx_mapping_np
+    masked = bias.num_stop_token_ids.np[idx_np] > 0
+    if not masked.any():
+        return False
+    seq_len_bound = batch.seq_lens_cpu_upper_bound.numpy()[: len(idx_np)]
+    slack = max(0, int(getattr(sampler, "num_speculative_tokens", 1)) - 1)
+    return bool(np.any(masked & (seq_len_bound - slack < bias.min_lens.np[idx_np])))
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-slot state `t` ([max_num_reqs], a V2 UVA/device tensor) gathered for the batch rows."""
+    return t.index_select(0, idx)
+
+
+def _params_v2(sampler: Any, batch: Any) -> Any:
+    """The kernel's parameters from V2's own per-slot states (no copies of the [S, V] state).
+
+    Rows map to request slots through `expanded_idx_mapping`: per-row scalars are gathered
+    (one small launch each), penalty and bias state is read in place through `state_slots`.
+    Which features are on is decided from the states' host mirrors (`.np`), as V2 does.
+    """
+    from fuselane.kernels import sampling
+
+    ss = sampler.sampling_states
+    idx = batch.expanded_idx_mapping.contiguous()
+    idx_np = batch.idx_mapping_np
+    p = sampling.SamplingParamsTensors(state_slots=idx)
+    if not np.all(ss.temperature.np[idx_np] == 1.0):
+        p.temperature = _rows(ss.temperature.gpu, idx)
+    # V2's "off" values: top_k = vocab_size, top_p = 1, min_p = 0 (the kernel's too).
+    if np.any(ss.top_k.np[idx_np] != ss.vocab_size):
+        p.top_k = _rows(ss.top_k.gpu, idx)
+    if np.any(ss.top_p.np[idx_np] != 1.0):
+        p.top_p = _rows(ss.top_p.gpu, idx)
+    if np.any(ss.min_p.np[idx_np] != 0.0):
+        p.min_p = _rows(ss.min_p.gpu, idx)
+    pen = sampler.penalties_state
+    if np.any(pen.use_penalty[idx_np]):
+        p.repetition_penalty = _rows(pen.repetition_penalty.gpu, idx)
+        p.frequency_penalty = _rows(pen.frequency_penalty.gpu, idx)
+        p.presence_penalty = _rows(pen.presence_penalty.gpu, idx)
+        # output_bin_counts is kept by V2's post_update; no presence bits, so a dense read.
+        p.prompt_bin_mask = pen.prompt_bin_mask
+        p.output_bin_counts = pen.output_bin_counts
+    bias = sampler._fuselane_bias_state
+    if np.any(bias.num_logit_bias.np[idx_np] > 0):
+        p.logit_bias_counts = bias.num_logit_bias.gpu
+        p.logit_bias_token_ids = bias.logit_bias_token_ids.gpu
+        p.logit_bias_values = bias.logit_bias.gpu
+    # V2 gives every slot a seed (a random one for unseeded requests) and draws its noise at
+    # the token's position: the same (seed, position, token) -> the same Gumbel noise.
+    p.seeds = _rows(ss.seeds.gpu, idx)
+    p.seed_offsets = batch.positions[batch.logits_indices].to(torch.int64)
+    return p
+
+
+def make_v2_sampler(base: type) -> type:
+    """A subclass of vLLM V2's `Sampler` class `base` whose `__call__` runs fuselane's kernel."""
 
     class FuselaneV2Sampler(base):
+        """vLLM's V2 Sampler with `__call__` routed to fuselane's fused sampling kernel for every
+        batch whose requests' features the kernel covers (see fuselane.plugin.sampler_hook)."""
+
+        fuselane_stock_class = base
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            from fuselane.kernels import sampling
+
+            ss = self.sampling_states
+            self._fuselane_slot_reason = np.zeros(ss.max_num_reqs, dtype=np.int8)
+            self._fuselane_bias_state = next(
+                (
+                    p
+                    for p in getattr(self, "logits_processors", ())
+                    if type(p) is vllm_compat.V2LogitBiasState
+                ),
+                None,
+            )
+            self._fuselane_reason = _unsupported_v2_sampler(self)
+            # Sized here, before vLLM's memory profiling, for the most rows __call__ gets.
+            self._fuselane_ws = sampling.SamplingWorkspace.allocate(
+                ss.max_num_reqs,
+                ss.vocab_size,
+                self.req_states.device,
+                max_logprobs=sampling.MAX_LOGPROBS,
+            )
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> None:
+            super().add_request(req_idx, sampling_params)
+            reason = _unsupported_v2_request(self, sampling_params)
+            self._fuselane_slot_reason[req_idx] = _V2_SLOT_REASONS.index(reason)
+
+        def _workspace(self, logits: torch.Tensor):
+            from fuselane.kernels import sampling
+
+            B, V = logits.shape
+            ws = self._fuselane_ws
+            if ws.max_batch < B or ws.vocab != V or ws.device != logits.device:
+                ws = sampling.SamplingWorkspace.allocate(
+                    max(B, ws.max_batch), V, logits.device, max_logprobs=sampling.MAX_LOGPROBS
+                )
+                self._fuselane_ws = ws
+            return ws
+
+        def __call__(self, logits: torch.Tensor, input_batch: Any) -> Any:
+            reason, num_logprobs = _unsupported_v2(self, logits, input_batch)
+            if reason is None:
+                out = self._fused(logits, input_batch, num_logprobs)
+                _count("fused")
+                return out
+            _count("stock", reason)
+            return _SAMPLING_STOCK(None, super().__call__, logits, input_batch)
+
+        def _fused(self, logits: torch.Tensor, batch: Any, n: int | None) -> Any:
+            from fuselane.kernels import sampling
+
+            out = _SAMPLING(
+                None,
+                sampling.fused_sample,
+                logits,
+                _params_v2(self, batch),
+                workspace=self._workspace(logits),
+                num_logprobs=n,
+                logprobs_mode=self.logprobs_mode,
+            )
+            # Copies: the workspace is overwritten by the next step while the runner still
+            # reads these (async output copy, post_update). No host sync: NaN rows are not
+            # re-routed (V2 overlaps the next step's preparation with this one); the kernel
+            # never samples a NaN, and num_nans reports them as V2 does.
+            sampled = out.token_ids.clone()
+            logprobs_tensors = None
+            if n is not None:
+                ids = [sampled.unsqueeze(-1)]
+                lps = [out.logprob.unsqueeze(-1)]
+                if n > 0:
+                    ids.append(out.topn_ids.clamp(min=0))  # -1 pads rows with < n finite values
+                    lps.append(out.topn_logprobs)
+                # V2's rank: how many raw logits are >= the chosen token's (its _ranks_kernel).
+                chosen = logits.gather(-1, sampled.unsqueeze(-1))
+                ranks = (logits >= chosen).sum(-1)
+                logprobs_tensors = vllm_compat.LogprobsTensors(
+                    torch.cat(ids, dim=1), torch.cat(lps, dim=1), ranks
+                )
+            num_sampled, num_rejected = vllm_compat.v2_num_sampled_and_rejected(
+                batch.seq_lens.new_ones(batch.num_reqs),
+                batch.seq_lens,
+                batch.cu_num_logits,
+                batch.idx_mapping,
+                self.req_states.prefill_len.gpu,
+            )
+            return vllm_compat.V2SamplerOutput(
+                sampled_token_ids=sampled.view(-1, 1),
+                logprobs_tensors=logprobs_tensors,
+                num_nans=out.nan_rows.clone() if self.compute_nans else None,
+                num_sampled=num_sampled,
+                num_rejected=num_rejected,
+            )
+
+    FuselaneV2Sampler.__qualname__ = FuselaneV2Sampler.__name__
+    return FuselaneV2Sampler
+
+
+def make_v2_placeholder(base: type, gap: str) -> type:
+    """vLLM V2's `Sampler` of a version whose API fuselane's V2 path does not fit (`gap`, see
+    `vllm_compat.v2_sampler_api_gap`): it warns when the runner builds it and runs vLLM's
+    sampler, counted and timed as `stock:v2_version`."""
+
+    class FuselaneV2Sampler(base):
+        fuselane_placeholder = True
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             vllm_compat.get_logger().warning(
-                "fuselane: FUSELANE_KERNELS asks for sampling, but vLLM's V2 model runner is in "
-                "use and fuselane's V2 sampler is not built yet: vLLM's own sampler runs "
-                "(VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, which gets fuselane's)"
+                "fuselane: FUSELANE_KERNELS asks for sampling, but this vLLM's V2 sampler (%s) "
+                "is not one fuselane's V2 path supports (%s): vLLM's own sampler runs "
+                "(VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, which gets fuselane's)",
+                vllm_compat.vllm_version(),
+                gap,
             )
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            _count("stock", "v2_runner")
+            _count("stock", "v2_version")
             return _SAMPLING_STOCK(None, super().__call__, *args, **kwargs)
 
     FuselaneV2Sampler.__qualname__ = FuselaneV2Sampler.__name__
@@ -377,7 +673,8 @@ def install(selection: KernelSelection) -> Callable[[], None]:
                     "fuselane: %s.Sampler is %r, not vLLM's own; left as it is", v2_name, stock
                 )
                 return
-            ours = make_v2_placeholder(stock)
+            gap = vllm_compat.v2_sampler_api_gap(stock)
+            ours = make_v2_sampler(stock) if gap is None else make_v2_placeholder(stock, gap)
         else:
             stock = vllm_compat.V1Sampler
             current = getattr(module, "Sampler", None)
@@ -395,7 +692,7 @@ def install(selection: KernelSelection) -> Callable[[], None]:
             "fuselane: %s.Sampler -> %s%s",
             module.__name__,
             ours.__name__,
-            "" if module.__name__ == v2_name else " (sampling kernel active)",
+            "" if getattr(ours, "fuselane_placeholder", False) else " (sampling kernel active)",
         )
 
     finder = _PostImportFinder((v1_name, v2_name), on_import)

@@ -73,6 +73,15 @@ _LAZY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "MinTokensLogitsProcessor": (
         ("vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor"),
     ),
+    # V2 model runner's sampler (same places in 0.32 and 0.33; see v2_sampler_api_gap).
+    "V2Sampler": (("vllm.v1.worker.gpu.sample.sampler", "Sampler"),),
+    "V2SamplerOutput": (("vllm.v1.worker.gpu.sample.output", "SamplerOutput"),),
+    "V2LogitBiasState": (("vllm.v1.worker.gpu.sample.logit_bias", "LogitBiasState"),),
+    "V2PenaltiesState": (("vllm.v1.worker.gpu.sample.penalties", "PenaltiesState"),),
+    "V2BadWordsState": (("vllm.v1.worker.gpu.sample.bad_words", "BadWordsState"),),
+    "v2_num_sampled_and_rejected": (
+        ("vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected"),
+    ),
 }
 
 # The model-runner modules whose module-global `Sampler` the sampler hook rebinds (V1: the
@@ -80,6 +89,35 @@ _LAZY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 V2_SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
+V2_GUMBEL_MODULE = "vllm.v1.worker.gpu.sample.gumbel"
+
+
+def v2_sampler_api_gap(stock: type) -> str | None:
+    """Why fuselane's V2 sampler cannot stand in for the V2 `Sampler` class `stock`, or None.
+
+    fuselane's V2 path needs the 0.32/0.33 form: `add_request(req_idx, sampling_params)`, the
+    `logits_processors` pipeline holding a `LogitBiasState` (bias, allowed ids and min_tokens
+    per slot), `get_logprobs_dims`, and murmur3 Gumbel noise (`gumbel.murmur3_hash32`) that the
+    kernel reproduces. vLLM 0.26's V2 sampler differs in all four (`add_request(req_idx,
+    prompt_len, sampling_params)`, a `logit_bias_state` attribute, Philox noise).
+    0.32 vs 0.33 differ only inside `Sampler.sample` (`get_top_k_top_p` returns 2 values in
+    0.32, 3 in 0.33) and in the draft-cache seed (`spec_step_seed`), neither of which the
+    fuselane path calls: it replaces `__call__` and reads the per-slot states directly.
+    """
+    import inspect
+
+    params = list(inspect.signature(stock.add_request).parameters)
+    if params[1:] != ["req_idx", "sampling_params"]:
+        return f"add_request{tuple(params[1:])}"
+    if not hasattr(stock, "get_logprobs_dims"):
+        return "no get_logprobs_dims"
+    try:
+        gumbel = importlib.import_module(V2_GUMBEL_MODULE)
+    except ImportError as e:
+        return f"{V2_GUMBEL_MODULE}: {e}"
+    if not hasattr(gumbel, "murmur3_hash32"):
+        return "Gumbel noise is not murmur3"
+    return None
 
 
 def _kv_cache_shape_hooks() -> type:

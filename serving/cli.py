@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
-from fuselane.serving import bench_serve
+from fuselane.serving import bench_kernels, bench_serve
 from fuselane.serving.canary import cli as canary_cli
+from fuselane.serving.dashboards import cli as dashboards_cli
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -24,6 +26,21 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+EPILOG = """\
+Inside vLLM, an environment variable picks the kernels of each process:
+  FUSELANE_KERNELS=all vllm serve MODEL
+  (a comma list of attention, kv_cache, sampling; or all; default none: stock vLLM)
+FUSELANE_TELEMETRY=1 adds per-kernel metrics to vLLM's /metrics.
+`fuselane COMMAND --help` describes each command; the README has the walkthrough."""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("fuselane")
+    except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH
+        return "(source checkout, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fuselane",
@@ -31,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Custom Triton kernels for vLLM serving: run them, check them against their "
             "references, canary them and measure them."
         ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"fuselane {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     check = sub.add_parser(
@@ -66,20 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: end-to-end serving load (bench serve)",
-        description="Benchmarks. `bench serve` drives OpenAI-compatible endpoints with load.",
+        help="benchmarks: kernels against their peers (GPU), serving load against endpoints",
+        description=(
+            "Benchmarks. `bench kernels` times every kernel family against vLLM's, FlashInfer's "
+            "and torch's kernels on real model shapes (GPU); `bench serve` drives "
+            "OpenAI-compatible endpoints with load and compares them."
+        ),
     )
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    bench_kernels.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
-    bench.set_defaults(func=lambda _args: _missing_subcommand(bench))
 
     canary_cli.add_parser(sub)
+    dashboards_cli.add_parser(sub)
     return parser
-
-
-def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

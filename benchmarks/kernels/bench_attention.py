@@ -606,6 +606,22 @@ def recheck(run: Runner, label: str, out: torch.Tensor, expected: Expected) -> N
         run.peers.note(f"{label}: output after graph replays differs from the reference: {detail}")
 
 
+def time_flashinfer_decode(
+    run: Runner, section: str, case: str, p: Problem, expected: Expected, nbytes: int
+) -> None:
+    """FlashInfer's paged decode on the same problem, checked then timed (if it imports)."""
+    if run.peers.flashinfer is None:
+        return
+    o = nan_like(p.q)
+    try:
+        f = run.peers.fi_decode_fn(p, o)
+    except Exception as e:  # noqa: BLE001
+        run.peers.note(f"{section} {case} flashinfer plan failed: {e!r}")
+        return
+    if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
+        run.time(section, case, "flashinfer", f, nbytes=nbytes)
+
+
 def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps: dict) -> None:
     """Time one decode case; queue its sweep (run after every case) in `sweeps`."""
     section, case = "decode", decode_case(batch, ctx)
@@ -626,15 +642,7 @@ def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps:
         f = peers.vllm_fn(p, o)
         if verify(run, f"{section} {case} vllm", f, o, expected) is not None:
             run.time(section, case, "vllm-triton-unified", f, nbytes=nbytes)
-    if peers.flashinfer is not None:
-        o = nan_like(p.q)
-        try:
-            f = peers.fi_decode_fn(p, o)
-        except Exception as e:  # noqa: BLE001
-            peers.note(f"{section} {case} flashinfer plan failed: {e!r}")
-        else:
-            if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
-                run.time(section, case, "flashinfer", f, nbytes=nbytes)
+    time_flashinfer_decode(run, section, case, p, expected, nbytes)
     if ok:
         sweeps[("decode", batch)] = lambda: bench_decode_sweep(run, p, plan, nbytes, expected)
 
@@ -710,15 +718,7 @@ def bench_decode_rule(run: Runner, pool, ok: bool, gen) -> None:
         fn = fuselane_fn(run, p, out, alt)
         if verify(run, f"{section} {case} {label}", fn, out, expected):
             run.time(section, case, label, fn, nbytes=nbytes, extra=plan_extra(alt))
-        if run.peers.flashinfer is not None:
-            o = nan_like(p.q)
-            try:
-                f = run.peers.fi_decode_fn(p, o)
-            except Exception as e:  # noqa: BLE001
-                run.peers.note(f"{section} {case} flashinfer plan failed: {e!r}")
-            else:
-                if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
-                    run.time(section, case, "flashinfer", f, nbytes=nbytes)
+        time_flashinfer_decode(run, section, case, p, expected, nbytes)
 
 
 def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> None:

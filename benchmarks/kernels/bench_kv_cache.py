@@ -151,11 +151,18 @@ def make_batch(num_tokens: int, gen: torch.Generator, page: int = PAGE) -> Batch
     )
 
 
-def make_qkv(num_tokens: int, gen: torch.Generator, dtype=torch.bfloat16):
+def make_qkv(
+    num_tokens: int,
+    gen: torch.Generator,
+    dtype=torch.bfloat16,
+    hq: int = HQ,
+    hkv: int = HKV,
+    d: int = D,
+):
     """(q, k, v) as strided [T, H, D] views of one fused QKV output."""
-    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * D, generator=gen).to(DEVICE, dtype)
-    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
-    return q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
 
 def make_cache(num_pages: int, dtype, page: int = PAGE, heads: int = HKV, head_size: int = D):

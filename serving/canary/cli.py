@@ -121,7 +121,13 @@ def add_parser(subparsers: Any) -> None:
     )
     sub = canary.add_subparsers(dest="canary_command", metavar="ACTION", required=True)
 
-    d = sub.add_parser("deploy", help="deploy (or update) the canary from a YAML config")
+    d = sub.add_parser(
+        "deploy",
+        help="deploy (or update) the canary from a YAML config",
+        description="Deploys the stock arm, the custom arm and the OpenAI ingress that CONFIG "
+        "describes (YAML, validated field by field) on the running Ray cluster, or updates them "
+        "in place, and waits until they are RUNNING.",
+    )
     d.add_argument("config", help="canary config (see serving/configs/)")
     _common(d, app=False)
     d.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for RUNNING")
@@ -141,13 +147,27 @@ def add_parser(subparsers: Any) -> None:
     w = sub.add_parser(
         "weight",
         help="set the custom arm's share of traffic, live (also clears a rollback)",
+        description="Sets the custom arm's share of traffic on the running canary, without a "
+        "redeploy (a session stays on its arm). Setting a weight also clears an automatic "
+        "rollback.",
     )
     w.add_argument("weight", type=_unit_interval, help="0..1, e.g. 0.25")
-    w.add_argument("--shadow-fraction", type=_unit_interval, default=None, metavar="F")
+    w.add_argument(
+        "--shadow-fraction",
+        type=_unit_interval,
+        default=None,
+        metavar="F",
+        help="also set the fraction of requests sent to both arms and compared (0..1)",
+    )
     _common(w)
     w.set_defaults(func=cmd_weight)
 
-    s = sub.add_parser("status", help="per-arm traffic, latency, agreement and rollbacks")
+    s = sub.add_parser(
+        "status",
+        help="per-arm traffic, latency, agreement and rollbacks",
+        description="Per-arm requests, errors and latency, shadow agreement, rollbacks and the "
+        "current weight of the running canary.",
+    )
     _common(s)
     s.add_argument("--json", action="store_true", help="the raw status as JSON")
     s.add_argument("--kernels", action="store_true", help="also the per-kernel metrics")
@@ -166,17 +186,27 @@ def add_parser(subparsers: Any) -> None:
     demo.add_argument("--port", type=int, default=8000, help="OpenAI endpoint port (127.0.0.1)")
     demo.add_argument("--metrics-port", type=int, default=8080, help="Ray metrics export port")
     demo.add_argument("--requests", type=int, default=200, help="requests in the load")
-    demo.add_argument("--concurrency", type=int, default=8)
+    demo.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     demo.add_argument("--output-len", type=int, default=16, help="tokens per request")
     demo.add_argument("--weight", type=_unit_interval, default=None, help="custom arm share")
-    demo.add_argument("--shadow-fraction", type=_unit_interval, default=None)
+    demo.add_argument(
+        "--shadow-fraction",
+        type=_unit_interval,
+        default=None,
+        help="fraction of requests sent to both arms and compared (default: the config's)",
+    )
     demo.add_argument(
         "--num-cpus",
         type=int,
         default=None,
         help="Ray's logical CPUs for the local Ray (default: max(8, the machine's cores))",
     )
-    demo.add_argument("--deploy-timeout", type=float, default=900.0)
+    demo.add_argument(
+        "--deploy-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the arms to start (default 900)",
+    )
     demo.add_argument(
         "--duration",
         type=float,

@@ -240,6 +240,32 @@ def run() -> dict:
 
     check("stock_backend_paths", stock_paths)
 
+    def v2_sampler():
+        # The V2 runner's Sampler: fuselane's V2 path where its API fits (vLLM >= 0.32; the
+        # behaviour is compared with stock in test_sampler_v2.py), vLLM's own sampler otherwise.
+        from packaging.version import Version
+
+        from fuselane.plugin import sampler_hook
+
+        stock = vc.V2Sampler
+        gap = vc.v2_sampler_api_gap(stock)
+        if Version(vllm.__version__).release[:2] >= (0, 32):
+            assert gap is None, gap
+        if gap is not None:
+            cls = sampler_hook.make_v2_placeholder(stock, gap)
+            assert issubclass(cls, stock) and cls.fuselane_placeholder
+            return f"stock ({gap})"
+        cls = sampler_hook.make_v2_sampler(stock)
+        assert issubclass(cls, stock) and cls.fuselane_stock_class is stock
+        # How the runner calls what fuselane overrides: sampler(logits, input_batch) and
+        # sampler.add_request(req_idx, sampling_params).
+        for name in ("__call__", "add_request"):
+            gap = _accepts(getattr(cls, name), getattr(stock, name))
+            assert not gap, (name, gap)
+        return "fused"
+
+    check("v2_sampler_hook", v2_sampler)
+
     def undo():
         plugin.unregister()
         from vllm.v1.attention.backends.registry import AttentionBackendEnum

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from tests import prometheus
+from tests.grafana import panels
 
 from .engines import engine_dtype, engine_env
 
@@ -244,3 +245,10 @@ def test_correct_kernels_pass_their_checks(run):
         assert worst is not None and worst <= (0.0 if kernel == "kv_cache" else 0.1), worst
     nonfinite = _sum(prom, "fuselane_numerical_nonfinite_total")
     assert nonfinite == 0
+
+
+def test_kernels_dashboard_panels_return_data(run):
+    """Every panel of the kernels dashboard shows this run (tests/grafana/runs.py)."""
+    panels.assert_panels_return_data(
+        run["prom"].url, "vllm-server", panels.load("fuselane-kernels")
+    )

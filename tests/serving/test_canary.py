@@ -27,6 +27,9 @@ import ray
 from fuselane.serving.canary import control
 from fuselane.serving.canary.config import parse_config
 from fuselane.serving.canary.router import ARM_HEADER, FAILOVER_HEADER
+from tests.grafana import panels
+
+from .conftest import RAY_SYSTEM_CONFIG, SCRAPE_INTERVAL_S, steady_load
 
 pytestmark = pytest.mark.slow
 
@@ -77,16 +80,17 @@ def _config(
 
 
 @pytest.fixture(scope="module")
-def canary(tmp_path_factory):
+def canary(tmp_path_factory, ray_metrics):
     from fuselane.serving.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = _free_port(), ray_metrics.port
     ray.init(
         num_cpus=8,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _metrics_export_port=metrics_port,
+        _system_config=RAY_SYSTEM_CONFIG,
         logging_level="ERROR",
         log_to_driver=False,
     )
@@ -318,3 +322,16 @@ def test_operator_sets_the_weight_back_and_status_reads(canary, capsys):
     assert "custom weight 0.3" in out
     assert "stock" in out and "custom" in out and "p50 ms" in out
     assert "agreement" in out and "rollbacks: " in out
+
+
+def test_canary_dashboard_panels_return_data(canary, ray_metrics):
+    """Every panel of the canary dashboard shows this module's run (tests/grafana/runs.py)."""
+    if ray_metrics.prom is None:
+        pytest.skip("no prometheus binary")
+    with steady_load(canary["client"]):
+        panels.assert_panels_return_data(
+            ray_metrics.prom.url,
+            "canary",
+            panels.load("fuselane-canary"),
+            scrape_interval_s=SCRAPE_INTERVAL_S,
+        )

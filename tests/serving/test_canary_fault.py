@@ -25,7 +25,9 @@ import ray
 
 from fuselane.serving.canary import control
 from fuselane.serving.canary.config import parse_config
+from tests.grafana import panels
 
+from .conftest import RAY_SYSTEM_CONFIG, SCRAPE_INTERVAL_S, steady_load
 from .test_canary import APP, _config, _free_port
 
 pytestmark = pytest.mark.slow
@@ -72,7 +74,7 @@ def _probe_tokens(model, env: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def faulty_canary(tmp_path_factory):
+def faulty_canary(tmp_path_factory, ray_metrics):
     from fuselane.serving.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
@@ -86,6 +88,8 @@ def faulty_canary(tmp_path_factory):
         num_cpus=8,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
+        _metrics_export_port=ray_metrics.port,
+        _system_config=RAY_SYSTEM_CONFIG,
         logging_level="ERROR",
         log_to_driver=False,
     )
@@ -126,3 +130,18 @@ def test_fault_injected_custom_arm_is_rolled_back(faulty_canary):
     # The shadow detector shows its disagreement when it is the one that fired first.
     if st["rollback"]["reason"] == "agreement":
         assert st["shadow"]["compared"] > st["shadow"]["exact"]
+
+
+def test_dashboards_show_the_faulty_arm(faulty_canary, ray_metrics):
+    """The kernels dashboard (Ray Serve source) and the canary dashboard show this run: failed
+    checks, mismatches, the rollback (tests/grafana/runs.py)."""
+    if ray_metrics.prom is None:
+        pytest.skip("no prometheus binary")
+    with steady_load(faulty_canary):
+        for uid in ("fuselane-kernels", "fuselane-canary"):
+            panels.assert_panels_return_data(
+                ray_metrics.prom.url,
+                "canary-fault",
+                panels.load(uid),
+                scrape_interval_s=SCRAPE_INTERVAL_S,
+            )
