@@ -21,8 +21,8 @@ everything the batch asks for is supported, else vLLM's own `forward` for the wh
 - stock (reason counted): spec decode (`predict_bonus_token`, spec_token_ids), allowed token
   ids, bad words, active min_tokens, any non-builtin logits processor, logprob_token_ids,
   max_num_logprobs == -1 or > 128, processed-logprob modes, fp64 gumbel, logits dtype other than
-  fp32/bf16/fp16, thinking budget, and any row with NaN logits (the fused result is discarded
-  and the batch re-sampled by stock: one host sync per fused step for the NaN check).
+  fp32/bf16/fp16 and thinking budget. Rows with NaN logits stay fused, with no host sync: the
+  kernel never samples a NaN (stock V1 would sample from NaN probabilities).
 
 V1 seeded rows: V1 keeps a torch.Generator per seeded request and draws `probs / Exp(1)` from
 it; fuselane's kernel draws murmur3 Gumbel noise from an int64 seed. Each step, a seeded row's
@@ -273,11 +273,8 @@ def make_v1_sampler(base: type) -> type:
             mode = logprobs_mode_override or self.logprobs_mode
             reason = _unsupported_v1(self, logits, md, predict_bonus_token, mode)
             if reason is None:
-                out = self._fused(logits, md, mode)
-                if out is not None:
-                    _count("fused")
-                    return out
-                reason = "nan_logits"
+                _count("fused")
+                return self._fused(logits, md, mode)
             _count("stock", reason)
             return _SAMPLING_STOCK(
                 None,
@@ -302,8 +299,9 @@ def make_v1_sampler(base: type) -> type:
                 num_logprobs=n,
                 logprobs_mode=mode,
             )
-            if bool(out.nan_rows.any()):  # host sync; stock re-samples the batch
-                return None
+            # No host sync for NaN rows (as on V2): the kernel never samples a NaN (stock V1
+            # would sample garbage from NaN probabilities) and the runner can prepare the next
+            # step while this one runs. V1 has no output field for the count.
             sampled = out.token_ids.to(torch.int64)  # a copy: the workspace is reused
             logprobs_tensors = None
             if n is not None:
