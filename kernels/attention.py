@@ -448,6 +448,35 @@ def plan_launch(
     )  # fmt: skip
 
 
+def decode_schedules(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    qpos: int,
+    sms: int,
+    workspace: SplitRoom | None,
+    kv_bytes: int,
+) -> list[tuple[float, int, int]]:
+    """The decode schedules that fit one block's shared memory, as (wave fill of the unsplit
+    batch, num_stages, split count with that schedule's program slots): 3 stages first, then
+    the pipelined DECODE_STAGES_PIPELINED."""
+    group = num_q_heads // num_kv_heads
+    schedules = []
+    for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
+        block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
+        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > SMEM_PER_BLOCK_MAX:
+            continue
+        slots = sms * decode_programs_per_sm(
+            block_m, tile_n, head_size, num_warps, stages, kv_bytes
+        )
+        splits = _num_splits(
+            num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
+        )
+        schedules.append((wave_fill(num_seqs * num_kv_heads, slots), stages, splits))
+    return schedules
+
+
 @functools.lru_cache(maxsize=8192)
 def _plan_launch(
     num_seqs: int,
@@ -466,20 +495,11 @@ def _plan_launch(
     # run can meet is known in advance (see reachable_plans): speculative-verify batches of 2
     # to 8 positions run in the cap's tile, their unused rows masked.
     qpos = 1 if max_query_len <= 1 else qpos_cap
-    # Two candidate schedules (see DECODE_STAGES_PIPELINED), each with its own split count;
-    # the pipelined one only for a batch it runs unsplit and fills the waves of clearly better.
-    candidates = []
-    for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
-        block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
-        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > SMEM_PER_BLOCK_MAX:
-            continue
-        slots = sms * decode_programs_per_sm(
-            block_m, tile_n, head_size, num_warps, stages, kv_bytes
-        )
-        splits = _num_splits(
-            num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
-        )
-        candidates.append((wave_fill(num_seqs * num_kv_heads, slots), stages, splits))
+    # The pipelined schedule only for a batch it runs unsplit and fills the waves of clearly
+    # better (see DECODE_STAGES_PIPELINED).
+    candidates = decode_schedules(
+        num_seqs, num_q_heads, num_kv_heads, head_size, qpos, sms, workspace, kv_bytes
+    )
     fill, num_stages, splits = candidates[0]
     if len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
         fill, num_stages, splits = candidates[1]

@@ -885,6 +885,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def chunk_warps_for(chunk: int) -> int:
+    """Warps that give the chunk kernel 16 fp32 values per thread (1 to 16)."""
+    return max(1, min(16, chunk // 512))
+
+
 def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
     """(chunk, chunk-kernel warps, register cap or 0) for a batch (see the launch-configuration
     note): one chunk for small vocabularies; whole 4096-chunks at 8 warps while the grid is
@@ -892,7 +897,7 @@ def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
     else 4096-chunks, 4 warps, 128 registers."""
     if vocab <= CHUNK_LARGE:
         chunk = max(MIN_CHUNK, _next_pow2(vocab))
-        return chunk, max(1, min(16, chunk // 512)), 0
+        return chunk, chunk_warps_for(chunk), 0
     if batch * triton.cdiv(vocab, CHUNK_LARGE) <= ONE_WAVE_PROGRAMS:
         return CHUNK_LARGE, 8, 0
     if batch * triton.cdiv(vocab, CHUNK_SMALL) <= SMALL_CHUNK_PROGRAMS:
@@ -1215,7 +1220,6 @@ def _fused_sample_into(
         RAW_CANDS=raw_cands,
         BIAS_BLOCK=BIAS_BLOCK,
     )
-    # num_warps: 16 fp32 values per thread for the chunk (see the launch-configuration note)
     extra = {"maxnreg": maxnreg} if maxnreg > 0 else {}
     _sample_chunk_kernel[(nc, B)](
         *args,
@@ -1223,7 +1227,7 @@ def _fused_sample_into(
         CAP=cap,
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
-        num_warps=chunk_warps or max(1, min(16, chunk // 512)),
+        num_warps=chunk_warps or chunk_warps_for(chunk),
         **extra,
         **flags,
     )

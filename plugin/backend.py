@@ -255,17 +255,13 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
     def _fuselane_warm_up(self, query, key_cache, value_cache, md, k_scale, v_scale) -> None:
         """Compile every attention variant of this layer configuration now (plugin/warmup.py);
         once per layer (a CUDA-graph capture defers it to the next eager call)."""
-        if query.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            self._fuselane_warmed = query.device.type != "cuda"
-            return
-        self._fuselane_warmed = True
         softcap = self.logits_soft_cap or 0.0
         key = (
             "attention", str(query.device), query.dtype, query.shape[1], key_cache.dtype,
             tuple(key_cache.shape[1:]), key_cache.stride(), md.block_table.stride(0) % 16 == 0,
             self._fuselane_window, softcap > 0, self.sinks is not None, md.workspace is None,
         )  # fmt: skip
-        warmup.once(
+        done = warmup.once(
             "attention",
             key,
             query.device,
@@ -287,7 +283,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         if self._fuselane_kv_write and not self._writes_no_cache():
             kv_key = ("kv_cache", str(query.device), query.dtype, key_cache.dtype,
                       tuple(key_cache.shape[1:]), key_cache.stride())  # fmt: skip
-            warmup.once(
+            done = done and warmup.once(
                 "kv_cache",
                 kv_key,
                 query.device,
@@ -299,6 +295,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
                     v_scale=v_scale,
                 ),
             )
+        self._fuselane_warmed = done
 
 
 class FuselaneAttentionBackend(vc.KVCacheShapeHooks, vc.AttentionBackend):

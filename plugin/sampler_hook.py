@@ -222,6 +222,26 @@ def _params_v1(sampler: Any, logits: torch.Tensor, md: Any):
     return p
 
 
+def _logprobs_tensors(
+    out: Any, sampled: torch.Tensor, logits: torch.Tensor, n: int | None, ids_dtype: torch.dtype
+) -> Any:
+    """vLLM's LogprobsTensors from the kernel's outputs (None when no logprobs were asked):
+    the chosen token, then its top n (-1 padding of rows with fewer finite values becomes 0),
+    and vLLM's rank of the chosen token: how many raw logits are >= it (V1's log_softmax and
+    V2's _ranks_kernel order tokens alike)."""
+    if n is None:
+        return None
+    ids = [sampled.unsqueeze(-1)]
+    lps = [out.logprob.unsqueeze(-1)]
+    if n > 0:
+        ids.append(out.topn_ids.clamp(min=0))
+        lps.append(out.topn_logprobs)
+    ranks = (logits >= logits.gather(-1, sampled.unsqueeze(-1))).sum(-1)
+    return vllm_compat.LogprobsTensors(
+        torch.cat(ids, dim=1).to(ids_dtype), torch.cat(lps, dim=1).to(torch.float32), ranks
+    )
+
+
 def make_v1_sampler(base: type) -> type:
     """A subclass of vLLM V1's `Sampler` class `base` whose forward runs fuselane's kernel."""
 
@@ -303,25 +323,9 @@ def make_v1_sampler(base: type) -> type:
             # would sample garbage from NaN probabilities) and the runner can prepare the next
             # step while this one runs. V1 has no output field for the count.
             sampled = out.token_ids.to(torch.int64)  # a copy: the workspace is reused
-            logprobs_tensors = None
-            if n is not None:
-                ids = [sampled.unsqueeze(-1)]
-                lps = [out.logprob.unsqueeze(-1)]
-                if n > 0:
-                    ids.append(out.topn_ids.clamp(min=0))  # -1 pads rows with < n finite values
-                    lps.append(out.topn_logprobs)
-                # vLLM's rank: how many raw values are >= the chosen token's (log_softmax and
-                # the raw logits order tokens alike).
-                raw = logits.to(torch.float32)
-                ranks = (raw >= raw.gather(-1, sampled.unsqueeze(-1))).sum(-1)
-                logprobs_tensors = vllm_compat.LogprobsTensors(
-                    torch.cat(ids, dim=1).to(torch.int32),
-                    torch.cat(lps, dim=1).to(torch.float32),
-                    ranks,
-                )
             return vllm_compat.SamplerOutput(
                 sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),
-                logprobs_tensors=logprobs_tensors,
+                logprobs_tensors=_logprobs_tensors(out, sampled, logits, n, torch.int32),
             )
 
     FuselaneSampler.__qualname__ = FuselaneSampler.__name__
@@ -555,19 +559,7 @@ def make_v2_sampler(base: type) -> type:
             # re-routed (V2 overlaps the next step's preparation with this one); the kernel
             # never samples a NaN, and num_nans reports them as V2 does.
             sampled = out.token_ids.clone()
-            logprobs_tensors = None
-            if n is not None:
-                ids = [sampled.unsqueeze(-1)]
-                lps = [out.logprob.unsqueeze(-1)]
-                if n > 0:
-                    ids.append(out.topn_ids.clamp(min=0))  # -1 pads rows with < n finite values
-                    lps.append(out.topn_logprobs)
-                # V2's rank: how many raw logits are >= the chosen token's (its _ranks_kernel).
-                chosen = logits.gather(-1, sampled.unsqueeze(-1))
-                ranks = (logits >= chosen).sum(-1)
-                logprobs_tensors = vllm_compat.LogprobsTensors(
-                    torch.cat(ids, dim=1), torch.cat(lps, dim=1), ranks
-                )
+            logprobs_tensors = _logprobs_tensors(out, sampled, logits, n, sampled.dtype)
             num_sampled, num_rejected = vllm_compat.v2_num_sampled_and_rejected(
                 batch.seq_lens.new_ones(batch.num_reqs),
                 batch.seq_lens,

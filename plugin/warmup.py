@@ -23,14 +23,17 @@ _DONE: set[Hashable] = set()
 _LOCK = threading.Lock()
 
 
-def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[], int]) -> None:
+def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[], int]) -> bool:
     """Run `compile_all` (returns the number of variants launched) the first time `key` is seen
-    on a CUDA device in this process, unless a CUDA graph is being captured; log what it did."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return
+    on a CUDA device in this process, unless a CUDA graph is being captured; log what it did.
+    Returns False only when a capture deferred it (the caller asks again on a later call)."""
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
     with _LOCK:
         if key in _DONE:
-            return
+            return True
         _DONE.add(key)
     start = time.perf_counter()
     launched = compile_all()
@@ -41,6 +44,7 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
         launched,
         time.perf_counter() - start,
     )
+    return True
 
 
 def reset() -> None:

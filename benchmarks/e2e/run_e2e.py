@@ -234,6 +234,11 @@ def reference_of(name: str) -> str:
     return REFERENCE_OF.get(name, REFERENCE_ARM)
 
 
+def is_reference(name: str) -> bool:
+    """An arm the others are compared with (no ratios or comparison of its own)."""
+    return name == REFERENCE_ARM or name in REFERENCE_OF.values()
+
+
 def compile_cache_dir(arm: Arm) -> Path:
     return WORK_DIR / "compile" / arm.name
 
@@ -732,9 +737,9 @@ def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     same model runner); p50 TTFT and ITL / reference's."""
     out: dict[str, Any] = {}
     for name, res in arms.items():
-        ref = reference_of(name)
-        if name == ref or name in REFERENCE_OF.values():
+        if is_reference(name):
             continue
+        ref = reference_of(name)
         base = arms.get(ref) or {}
         r: dict[str, Any] = {"reference": ref, "offline_output_tok_s": {}, "online": {}}
         for wl, v in (res.get("offline") or {}).items():
@@ -939,10 +944,9 @@ def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     report["ratios"] = ratios(arms)
     cmp = {}
     for name, res in arms.items():
-        ref_name = reference_of(name)
-        ref = (arms.get(ref_name) or {}).get("correctness_raw")
-        if name == ref_name or name in REFERENCE_OF.values():
+        if is_reference(name):
             continue
+        ref = (arms.get(reference_of(name)) or {}).get("correctness_raw")
         if res.get("correctness_raw") is not None and ref is not None:
             cmp[name] = compare_correctness(ref, res["correctness_raw"])
     report["correctness"] = cmp

@@ -681,19 +681,14 @@ def bench_decode_sweep(run: Runner, p: Problem, plan, nbytes: int, expected: Exp
 
 
 def other_regime(run: Runner, plan: attn.LaunchPlan, p: Problem) -> attn.DecodeConfig:
-    """The decode config the rule would pick on the other side of its split-regime boundary
-    (5 stages + one program per SM <-> 3 stages + two, each with its own split count)."""
+    """The decode config of the schedule the rule did not pick (3 stages + two programs per SM
+    <-> 5 stages + one, each with its own split count; `attn.decode_schedules`)."""
     dec = plan.decode
-    stages = attn.DECODE_STAGES if dec.num_stages == attn.DECODE_STAGES_PIPELINED else (
-        attn.DECODE_STAGES_PIPELINED)  # fmt: skip
-    head_size, kv_bytes = p.q.shape[2], p.kv.element_size()
-    sms = attn.sm_count(p.q.device)
-    slots = sms * attn.decode_programs_per_sm(
-        dec.block_m, dec.tile_n, head_size, dec.num_warps, stages, kv_bytes
-    )
-    room = attn.split_room(run.workspace)
-    splits = attn._num_splits(len(p.lens), p.kv.shape[3], len(p.lens) * dec.qpos,
-                              p.q.shape[1], head_size, slots, sms, room)  # fmt: skip
+    schedules = attn.decode_schedules(
+        len(p.lens), p.q.shape[1], p.kv.shape[3], p.q.shape[2], dec.qpos,
+        attn.sm_count(p.q.device), attn.split_room(run.workspace), p.kv.element_size(),
+    )  # fmt: skip
+    _, stages, splits = next(sch for sch in schedules if sch[1] != dec.num_stages)
     return dataclasses.replace(dec, num_stages=stages, num_splits=splits,
                                head_fast=stages == attn.DECODE_STAGES)  # fmt: skip
 
