@@ -41,9 +41,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ._checks import FP8_E4M3, check_choice, check_tensor
+from ._launch import cdiv, next_pow2
 from .attention_decode import launch_decode
 from .attention_prefill import launch_prefill
 
@@ -170,7 +170,7 @@ class AttentionWorkspace:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
         rows = max_num_tokens * num_q_heads * max_splits
-        head_pad = triton.next_power_of_2(head_size)
+        head_pad = next_pow2(head_size)
         return cls(
             partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
             partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
@@ -272,8 +272,8 @@ def _decode_tile(
     D = 256 (the same bytes per stage). Tiles of more than 64 rows (QPOS x group) get 8 warps
     (not measured).
     """
-    block_m = max(16, triton.next_power_of_2(qpos * group))
-    head_pad = triton.next_power_of_2(head_size)
+    block_m = max(16, next_pow2(qpos * group))
+    head_pad = next_pow2(head_size)
     tile_n = min(DECODE_MAX_TILE_N, DECODE_TILE_BYTES // (head_pad * 2))
     num_warps = DECODE_WARPS if block_m <= 64 else 8
     return block_m, tile_n, num_warps, num_stages
@@ -300,7 +300,7 @@ def decode_smem_bytes(block_m: int, tile_n: int, head_size: int, num_stages: int
                       kv_bytes: int) -> int:  # fmt: skip
     """Shared memory of the decode kernel: kv_buffers x (K + V tile + block-table entries) +
     the q tile + the P tile (matches the compiled size for tile 64/128 and 3/5/7 stages)."""
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     per_buffer = tile_n * head_pad * 2 * kv_bytes + tile_n * 4
     return kv_buffers(num_stages) * per_buffer + block_m * head_pad * 2 + block_m * tile_n * 2
 
@@ -348,15 +348,15 @@ def _prefill_tile(
     """(block_m, block_n, num_warps, num_stages) of the prefill kernel (PREFILL_TILES).
     `programs`: the large tile's program count for the launch, when known; below
     PREFILL_MIN_PROGRAMS x `sms` the small tile is used."""
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     bound = min(b for b in PREFILL_TILES if b >= head_pad)
     tile = PREFILL_TILES[bound]
     if programs is not None and programs < PREFILL_MIN_PROGRAMS * sms:
         small = PREFILL_SMALL_TILE
-        if small[0] < tile[0] and small[0] >= triton.next_power_of_2(group):
+        if small[0] < tile[0] and small[0] >= next_pow2(group):
             tile = small
     block_m, block_n, num_warps, num_stages = tile
-    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
+    return max(block_m, next_pow2(group)), block_n, num_warps, num_stages
 
 
 def split_cost(pairs: int, splits: int, slots: int) -> float:
@@ -409,7 +409,7 @@ def _num_splits(
     pairs = num_seqs * num_kv_heads
     if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
         return 1
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     row_heads = rows * num_q_heads
     fit = min(
         workspace.partial_out // (row_heads * head_pad),
@@ -518,7 +518,7 @@ def _plan_launch(
     if not decode_only:
         # Programs of the large tile, at most: every sequence as long as the longest query.
         large_rows = _prefill_tile(group, head_size)[0]
-        programs = num_seqs * num_kv_heads * triton.cdiv(max_query_len * group, large_rows)
+        programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, large_rows)
         block_m, block_n, num_warps, num_stages = _prefill_tile(group, head_size, programs, sms)
         prefill = PrefillConfig(
             block_m=block_m,
@@ -992,6 +992,38 @@ def paged_attention(
             v_scale,
             workspace,
         )
+    return out
+
+
+def paged_attention_unchecked(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    workspace: AttentionWorkspace | None = None,
+) -> torch.Tensor:
+    """`paged_attention` (same arguments) without its argument checks, for eager callers that
+    passed the same kind of arguments (dtypes, head counts, cache tensors, options) through
+    `paged_attention` once: vLLM's backend, layer by layer, where host time per layer is step
+    time on its eager path. Batch sizes may differ between calls; their consistency is the
+    caller's contract."""
+    _run(
+        q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
+        float(scale), 0 if sliding_window is None else sliding_window, float(softcap), sinks,
+        k_scale, v_scale, workspace,
+    )  # fmt: skip
     return out
 
 

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch, next_pow2
+
 # log2(e): logits are kept in base-2 units so the softmax uses exp2 (one MUFU op).
 LOG2E = tl.constexpr(1.4426950408889634)
 # Finite stand-in for -inf as the running maximum: exp2(m_old - m_new) stays finite (no
@@ -587,11 +589,11 @@ def launch_decode(
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     split = num_splits > 1
     fused = split and fused_reduce
-    merge_m = triton.next_power_of_2(qpos * (num_q_heads // num_kv_heads))
+    merge_m = next_pow2(qpos * (num_q_heads // num_kv_heads))
     # One merge step size per tile shape, whatever the split count (masked lanes past it): a
     # new split count must not mean a new compiled variant in the middle of serving.
     red_splits = max(1, MERGE_STEP_ELEMENTS // (merge_m * head_pad))
@@ -601,7 +603,9 @@ def launch_decode(
         grid = (num_kv_heads, num_seqs, num_splits)
     else:
         grid = (num_seqs, num_kv_heads, num_splits)
-    _decode_kernel[grid](
+    launch(
+        _decode_kernel,
+        grid,
         q,
         key_cache,
         value_cache,
@@ -652,7 +656,9 @@ def launch_decode(
         num_stages=num_stages,
     )
     if split and not fused:
-        _splitkv_reduce_kernel[(num_seqs, num_q_heads)](
+        launch(
+            _splitkv_reduce_kernel,
+            (num_seqs, num_q_heads),
             out,
             cu_seqlens_q,
             sinks if sinks is not None else dummy,
@@ -663,7 +669,7 @@ def launch_decode(
             out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             QPOS=qpos,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=next_pow2(num_splits),
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             MAX_Q=max_q,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch, next_pow2
 from .attention_decode import LOG2E, NEG_BIG, _attend_range
 
 # Largest grid extent on CUDA's second axis.
@@ -189,7 +190,9 @@ def launch_prefill(
     num_q_blocks = num_tokens // block_q + num_seqs
     head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
     grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
-    _prefill_kernel[grid](
+    launch(
+        _prefill_kernel,
+        grid,
         q,
         key_cache,
         value_cache,
@@ -219,7 +222,7 @@ def launch_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_SIZE=head_size,
-        HEAD_PAD=triton.next_power_of_2(head_size),
+        HEAD_PAD=next_pow2(head_size),
         PAGE=key_cache.shape[1],
         MIN_Q=min_q,
         SLIDING_WINDOW=sliding_window,

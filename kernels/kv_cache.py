@@ -30,6 +30,7 @@ stride is block_size * slot_stride (else block and offset); see `_launch_write`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FP8_E4M3, FP8_E4M3_MAX, check_choice, check_tensor
+from ._launch import cdiv, launch, next_pow2
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -427,9 +429,7 @@ def _write_launch_config(
     """(rows per program, tile, warps) for the plain write; see the tables above."""
     if rows_per_program is None:
         rows_per_program = next(r for bound, r in _WRITE_ROWS_PER_PROGRAM if num_rows <= bound)
-    tile = min(
-        triton.next_power_of_2(row_elems), max(16, _WRITE_MAX_TILE_ELEMS // rows_per_program)
-    )
+    tile = min(next_pow2(row_elems), max(16, _WRITE_MAX_TILE_ELEMS // rows_per_program))
     warps = (
         _WRITE_WARPS_SMALL
         if rows_per_program * tile <= _WRITE_WARPS_THRESHOLD
@@ -591,10 +591,16 @@ def _offset_bound(t: torch.Tensor, rows: int | None = None) -> int:
     along dim 0 (default t's own), every other dim padded to twice its size (the power-of-two
     tiles' masked lanes: next_power_of_2(n) < 2n). Valid slots and positions are the caller's
     contract (< num_blocks * block_size, < max_position), so they stay inside these bounds."""
-    n0 = t.shape[0] if rows is None else max(rows, t.shape[0])
-    bound = max(n0 - 1, 0) * abs(t.stride(0))
-    inner = zip(t.shape[1:], t.stride()[1:], strict=True)
-    return bound + sum((2 * n - 1) * abs(st) for n, st in inner)
+    shape = t.shape
+    return _shape_offset_bound(shape, t.stride(), shape[0] if rows is None else rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_offset_bound(shape: tuple[int, ...], stride: tuple[int, ...], rows: int) -> int:
+    # Memoized: every layer of every step asks about the same few shapes (host time per
+    # launch is step time on vLLM's eager path).
+    bound = max(max(rows, shape[0]) - 1, 0) * abs(stride[0])
+    return bound + sum((2 * n - 1) * abs(st) for n, st in zip(shape[1:], stride[1:], strict=True))
 
 
 def _needs_int64(*bounds: int) -> bool:
@@ -639,7 +645,7 @@ def _launch_write(
     _, num_kv_heads, head_size = key.shape
     row_elems = num_kv_heads * head_size
     rows, tile, warps = _write_launch_config(num_rows, row_elems, rows_per_program)
-    grid = (triton.cdiv(num_rows, rows), triton.cdiv(row_elems, tile))
+    grid = (cdiv(num_rows, rows), cdiv(row_elems, tile))
     rows_touched = grid[0] * rows  # masked rows past N still form addresses
     offsets_64 = offsets_64 or _needs_int64(
         _offset_bound(key, rows_touched),
@@ -650,7 +656,9 @@ def _launch_write(
     # Without fp8 the scale pointers are never read; pass any tensor so the signature is fixed.
     k_scale_arg = k_scale if fp8 else slot_mapping
     v_scale_arg = v_scale if fp8 else slot_mapping
-    _kv_cache_update_kernel[grid](
+    launch(
+        _kv_cache_update_kernel,
+        grid,
         key,
         value,
         key_cache,
@@ -705,14 +713,16 @@ def _launch_rope(
     num_q_heads = query.shape[1]
     rot_dim = cos_sin_cache.shape[1]
     pass_dims = head_size - rot_dim
-    q_heads_p2 = triton.next_power_of_2(num_q_heads)
-    half_rot_p2 = triton.next_power_of_2(rot_dim // 2)
+    q_heads_p2 = next_pow2(num_q_heads)
+    half_rot_p2 = next_pow2(rot_dim // 2)
     offsets_64 = offsets_64 or _needs_int64(
         *(_offset_bound(t) for t in (query, key, value, cos_sin_cache, key_cache, value_cache))
     )
     k_scale_arg = k_scale if fp8 else slot_mapping
     v_scale_arg = v_scale if fp8 else slot_mapping
-    _rope_kv_cache_update_kernel[(num_tokens,)](
+    launch(
+        _rope_kv_cache_update_kernel,
+        (num_tokens,),
         positions,
         query,
         key,
@@ -742,10 +752,10 @@ def _launch_rope(
         FP8=fp8,
         WRITE_CACHE=write_cache,
         Q_HEADS_P2=q_heads_p2,
-        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        KV_HEADS_P2=next_pow2(num_kv_heads),
         HALF_ROT_P2=half_rot_p2,
-        PASS_P2=triton.next_power_of_2(pass_dims) if pass_dims > 0 else 0,
-        HEAD_SIZE_P2=triton.next_power_of_2(head_size),
+        PASS_P2=next_pow2(pass_dims) if pass_dims > 0 else 0,
+        HEAD_SIZE_P2=next_pow2(head_size),
         EMULATE_E4M3=fp8 and _interpreting(),
         OFFSETS_64=offsets_64,
         FLAT_SLOTS=flat_slots and _flat_slots(key_cache, value_cache),
@@ -753,7 +763,6 @@ def _launch_rope(
     )
 
 
-@torch.library.custom_op("fuselane::kv_cache_update", mutates_args=("key_cache", "value_cache"))
 def kv_cache_update(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -776,8 +785,59 @@ def kv_cache_update(
     k_scale, v_scale: [1] (or 0-d) float32, required for an fp8 cache:
                   stored = e4m3(saturate(x * (1 / scale))); ignored otherwise
     """
+    if torch.compiler.is_compiling() or _is_meta(key):
+        _kv_cache_update_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return
+    # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per layer on
+    # vLLM's eager attention path).
+    _kv_cache_update_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def _is_meta(t: object) -> bool:
+    # Meta tensors (shape propagation) take the custom op's fake implementation.
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def _kv_cache_update_impl(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
     fp8 = _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     _check_kernel_device(key)
+    _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
+
+
+@torch.library.custom_op("fuselane::kv_cache_update", mutates_args=("key_cache", "value_cache"))
+def _kv_cache_update_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """torch.library form of `kv_cache_update` (what torch.compile records)."""
+    _kv_cache_update_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def kv_cache_update_unchecked(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """`kv_cache_update` without its argument checks, for eager callers that passed the same
+    kind of arguments through `kv_cache_update` once (vLLM's backend, layer by layer)."""
+    fp8 = key_cache.dtype == FP8_E4M3
     _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
 
 
@@ -803,16 +863,13 @@ def warm_up_write(
     return len(sizes)
 
 
-@kv_cache_update.register_fake
+@_kv_cache_update_op.register_fake
 def _kv_cache_update_fake(
     key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
 ):
     _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-@torch.library.custom_op(
-    "fuselane::rope_kv_cache_update", mutates_args=("query", "key", "key_cache", "value_cache")
-)
 def rope_kv_cache_update(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -840,6 +897,27 @@ def rope_kv_cache_update(
                    rows of q and k are rotated, the first N = len(slot_mapping) are written.
     Math: fp32, rounded once to the input dtype; the cache gets the key as written back.
     """
+    args = (positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache,
+            slot_mapping, k_scale, v_scale)  # fmt: skip
+    if torch.compiler.is_compiling() or _is_meta(key):
+        _rope_kv_cache_update_op(*args)
+    else:  # as kv_cache_update: no custom-op dispatch on eager calls
+        _rope_kv_cache_update_impl(*args)
+
+
+def _rope_kv_cache_update_impl(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
     fp8 = _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     _check_rope_args(positions, query, key, cos_sin_cache, is_neox)
     _check_kernel_device(key)
@@ -849,7 +927,30 @@ def rope_kv_cache_update(
     )  # fmt: skip
 
 
-@rope_kv_cache_update.register_fake
+@torch.library.custom_op(
+    "fuselane::rope_kv_cache_update", mutates_args=("query", "key", "key_cache", "value_cache")
+)
+def _rope_kv_cache_update_op(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """torch.library form of `rope_kv_cache_update` (what torch.compile records)."""
+    _rope_kv_cache_update_impl(
+        positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache,
+        slot_mapping, k_scale, v_scale,
+    )  # fmt: skip
+
+
+@_rope_kv_cache_update_op.register_fake
 def _rope_kv_cache_update_fake(
     positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
     k_scale=None, v_scale=None,

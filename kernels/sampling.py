@@ -64,6 +64,7 @@ all-greedy V1 batch returns processed logprobs without the top-k/top-p masks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_choice, check_tensor
+from ._launch import cdiv, launch
 from .sampling_select import (
     KEY_NEG_INF,
     KEY_NO_BOUND,
@@ -898,9 +900,9 @@ def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
     if vocab <= CHUNK_LARGE:
         chunk = max(MIN_CHUNK, _next_pow2(vocab))
         return chunk, chunk_warps_for(chunk), 0
-    if batch * triton.cdiv(vocab, CHUNK_LARGE) <= ONE_WAVE_PROGRAMS:
+    if batch * cdiv(vocab, CHUNK_LARGE) <= ONE_WAVE_PROGRAMS:
         return CHUNK_LARGE, 8, 0
-    if batch * triton.cdiv(vocab, CHUNK_SMALL) <= SMALL_CHUNK_PROGRAMS:
+    if batch * cdiv(vocab, CHUNK_SMALL) <= SMALL_CHUNK_PROGRAMS:
         return CHUNK_SMALL, 4, 0
     return CHUNK_LARGE, LARGE_GRID_WARPS, LARGE_GRID_MAXNREG
 
@@ -953,11 +955,9 @@ class SamplingWorkspace:
         ws.chunk_warps, ws.maxnreg = chunk_warps or 0, maxnreg or 0
         # Planes hold one entry per (row, chunk); size for the largest grid of any batch size.
         if chunk is not None:
-            plane = max_batch * triton.cdiv(vocab, chunk)
+            plane = max_batch * cdiv(vocab, chunk)
         else:
-            plane = max(
-                b * triton.cdiv(vocab, pick_chunk(b, vocab)) for b in range(1, max_batch + 1)
-            )
+            plane = max(b * cdiv(vocab, pick_chunk(b, vocab)) for b in range(1, max_batch + 1))
         ws.plane = plane
         f32, i32, i64 = torch.float32, torch.int32, torch.int64
         ws.stats_f = torch.zeros(8, plane, dtype=f32, device=device)
@@ -1020,7 +1020,7 @@ def _validate(logits: torch.Tensor, prm: SamplingParamsTensors, num_logprobs, lo
             check_tensor(f"params.{name}", t, shape=(B,), dtypes=dts, device=dev, contiguous=True)
     if prm.has_seed is not None and prm.seeds is None:
         raise ValueError("params.has_seed: given without params.seeds")
-    words = triton.cdiv(V, GROUP)
+    words = cdiv(V, GROUP)
     if prm.has_penalties:
         for name in ("prompt_bin_mask", "output_bin_counts"):
             if getattr(prm, name) is None:
@@ -1088,26 +1088,7 @@ def _validate(logits: torch.Tensor, prm: SamplingParamsTensors, num_logprobs, lo
         )
 
 
-@torch.library.custom_op(
-    "fuselane::fused_sample_into",
-    mutates_args=(
-        "stats_f",
-        "stats_i",
-        "cand",
-        "rcand",
-        "rand_seeds",
-        "token_ids",
-        "logprob",
-        "topn_ids",
-        "topn_logprobs",
-        "nan_rows",
-        "kept_threshold",
-        "kept_count",
-        "fallback_rows",
-        "scratch",
-    ),
-)
-def _fused_sample_into(
+def _fused_sample_into_impl(
     logits: torch.Tensor,
     temperature: torch.Tensor | None,
     top_k: torch.Tensor | None,
@@ -1165,7 +1146,7 @@ def _fused_sample_into(
     if seed_mode != 1:
         # Device-drawn seeds from torch's global generator: no host sync, graph-capturable.
         rand_seeds[:B].random_()
-    nc = triton.cdiv(V, chunk)
+    nc = cdiv(V, chunk)
     topn = num_logprobs > 0
     need_raw = mode in (1, 2)
     raw_cands = need_raw and topn and (has_pen or has_bias)
@@ -1221,7 +1202,9 @@ def _fused_sample_into(
         BIAS_BLOCK=BIAS_BLOCK,
     )
     extra = {"maxnreg": maxnreg} if maxnreg > 0 else {}
-    _sample_chunk_kernel[(nc, B)](
+    launch(
+        _sample_chunk_kernel,
+        (nc, B),
         *args,
         CHUNK=chunk,
         CAP=cap,
@@ -1233,7 +1216,9 @@ def _fused_sample_into(
     )
     nc_pad = _next_pow2(nc)
     tp = _next_pow2(max(1, num_logprobs))
-    _sample_combine_kernel[(B,)](
+    launch(
+        _sample_combine_kernel,
+        (B,),
         *args,
         token_ids,
         logprob,
@@ -1255,6 +1240,27 @@ def _fused_sample_into(
         num_warps=4 if nc_pad * cap <= 2048 else 8,
         **flags,
     )
+
+
+_fused_sample_into = torch.library.custom_op(
+    "fuselane::fused_sample_into",
+    mutates_args=(
+        "stats_f",
+        "stats_i",
+        "cand",
+        "rcand",
+        "rand_seeds",
+        "token_ids",
+        "logprob",
+        "topn_ids",
+        "topn_logprobs",
+        "nan_rows",
+        "kept_threshold",
+        "kept_count",
+        "fallback_rows",
+        "scratch",
+    ),
+)(_fused_sample_into_impl)
 
 
 @_fused_sample_into.register_fake
@@ -1296,7 +1302,9 @@ def fused_sample(
         chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
     p = params
-    torch.ops.fuselane.fused_sample_into(
+    # Eager calls skip the custom-op dispatcher (host time; the op is what torch.compile sees).
+    into = _fused_sample_into if torch.compiler.is_compiling() else _fused_sample_into_impl
+    into(
         logits,
         p.temperature,
         p.top_k,
@@ -1420,11 +1428,70 @@ def unpack_bin_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
 def pack_bin_mask(mask: torch.Tensor) -> torch.Tensor:
     """[S, V] bool -> [S, ceil(V/32)] int32 packed bits (vLLM V2's prompt_bin_mask layout)."""
     S, V = mask.shape
-    words = triton.cdiv(V, GROUP)
+    words = cdiv(V, GROUP)
     padded = torch.zeros(S, words * GROUP, dtype=torch.int64, device=mask.device)
     padded[:, :V] = mask.to(torch.int64)
     w = (padded.view(S, words, GROUP) << torch.arange(GROUP, device=mask.device)).sum(-1)
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def launch_batches(max_batch: int, vocab: int) -> list[int]:
+    """The smallest batch of each launch configuration `pick_launch` gives batches 1..max_batch
+    (at most three: the configuration changes only at two thresholds)."""
+    firsts: dict[tuple[int, int, int], int] = {}
+    for b in range(1, max_batch + 1):
+        firsts.setdefault(pick_launch(b, vocab), b)
+    return sorted(firsts.values())
+
+
+# Per-row parameter sets whose kernel variants a serving start-up compiles: each a tuple of the
+# SamplingParamsTensors fields given (the others None).
+_WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+
+
+def warm_up(
+    template: SamplingParamsTensors,
+    workspace: SamplingWorkspace,
+    dtype: torch.dtype,
+    *,
+    param_sets: tuple[tuple[str, ...], ...],
+    num_logprobs: int | None,
+    logprobs_mode: str = "raw_logprobs",
+) -> int:
+    """Compile (by launching on zero logits) the kernel variants of every parameter set in
+    `param_sets` at every launch configuration of batches up to `workspace.max_batch`, with the
+    seed and slot arguments shaped as in `template` (a real call's parameters: the caller's
+    vLLM sampler) and no penalties, bias or min-p. Returns the number of calls.
+
+    For a serving engine's start-up (a variant first met while serving stalls that step for the
+    compile): which parameters a batch carries decides which variant runs, and the batch size
+    decides its launch configuration."""
+    device, vocab = workspace.device, workspace.vocab
+    calls = 0
+    for b in launch_batches(workspace.max_batch, vocab):
+        logits = torch.zeros(b, vocab, dtype=dtype, device=device)
+        rows = dict(device=device)
+        base = SamplingParamsTensors(
+            state_slots=None
+            if template.state_slots is None
+            else torch.zeros(b, dtype=template.state_slots.dtype, **rows),
+            seeds=None if template.seeds is None else torch.zeros(b, dtype=torch.int64, **rows),
+            has_seed=None if template.has_seed is None else torch.ones(b, dtype=torch.bool, **rows),
+            seed_offsets=None
+            if template.seed_offsets is None
+            else torch.zeros(b, dtype=torch.int64, **rows),
+        )
+        for fields in param_sets:
+            p = dataclasses.replace(base)
+            for name in fields:
+                dt = torch.int32 if name == "top_k" else torch.float32
+                setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, **rows))
+            fused_sample(
+                logits, p, workspace=workspace, num_logprobs=num_logprobs,
+                logprobs_mode=logprobs_mode,
+            )  # fmt: skip
+            calls += 1
+    return calls
 
 
 def penalty_state_from_v1(

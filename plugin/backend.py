@@ -193,6 +193,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         self.supports_quant_query_input = False
         self._fuselane_kv_write = active_selection().backend_writes_kv_cache
         self._fuselane_warmed = False
+        self._fuselane_checked = False
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         return False
@@ -230,16 +231,9 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         k_scale, v_scale = self._fuselane_scales(layer)
         if not self._fuselane_warmed:
             self._fuselane_warm_up(query, key_cache, value_cache, md, k_scale, v_scale)
-        _ATTENTION(
-            md.phase,
-            attn_kernels.paged_attention,
-            query[:n],
-            key_cache,
-            value_cache,
-            output[:n],
-            md.query_start_loc,
-            md.seq_lens,
-            md.block_table,
+        args = (query[:n], key_cache, value_cache, output[:n], md.query_start_loc, md.seq_lens,
+                md.block_table)  # fmt: skip
+        options = dict(
             max_query_len=md.max_query_len,
             max_seq_len=md.max_seq_len,
             scale=self.scale,
@@ -250,6 +244,13 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
             v_scale=v_scale,
             workspace=md.workspace,
         )
+        if self._fuselane_checked:
+            # This layer's arguments were validated on its first call; what changes between
+            # steps (batch sizes) is vLLM's contract. Saves host time on every eager layer.
+            _ATTENTION(md.phase, attn_kernels.paged_attention_unchecked, *args, **options)
+        else:
+            _ATTENTION(md.phase, attn_kernels.paged_attention, *args, **options)
+            self._fuselane_checked = True
         return output
 
     def _fuselane_warm_up(self, query, key_cache, value_cache, md, k_scale, v_scale) -> None:

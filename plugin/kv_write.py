@@ -103,6 +103,7 @@ class FuselaneKVWriteMixin:
     """
 
     _fuselane_kv_write: bool = True
+    _fuselane_write_checked: bool = False  # set on the instance after its first write
 
     def _fuselane_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """key_cache, value_cache `[num_blocks, block_size, Hkv, D]` views (fp8 retyped)."""
@@ -141,10 +142,17 @@ class FuselaneKVWriteMixin:
             return None
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
+        # Validated on this layer's first call only (as the attention call; host time per
+        # layer is step time on vLLM's eager path).
+        write = (
+            kv_kernels.kv_cache_update_unchecked
+            if self._fuselane_write_checked
+            else kv_kernels.kv_cache_update
+        )
         _KV_WRITE(
-            None, kv_kernels.kv_cache_update,
-            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+            None, write, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         )  # fmt: skip
+        self._fuselane_write_checked = True
         return None
 
     def fused_rope_kvcache_supported(self) -> bool:

@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import telemetry, vllm_compat
+from . import telemetry, vllm_compat, warmup
 from .config import KernelSelection
 
 __all__ = ["counters", "install", "make_v1_sampler", "make_v2_sampler", "reset_counters"]
@@ -242,6 +242,37 @@ def _logprobs_tensors(
     )
 
 
+# Parameter sets whose kernel variants start-up compiles (kernels.sampling.warm_up): greedy and
+# the usual temperature / top-k / top-p mixes. V1 always passes a temperature (zeros for an
+# all-greedy batch); V2 passes none when every row has temperature 1.
+V1_WARM_PARAM_SETS = (
+    ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
+    ("temperature", "top_k"),
+)  # fmt: skip
+V2_WARM_PARAM_SETS = (
+    (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
+)  # fmt: skip
+
+
+def _warm_up(
+    runner: str, logits: torch.Tensor, params: Any, ws: Any, n: int | None, mode: str,
+    param_sets: tuple[tuple[str, ...], ...],
+) -> bool:  # fmt: skip
+    """Compile the sampling kernels' common variants on the sampler's first call (vLLM's dummy
+    sampler run at start-up); True once done (plugin/warmup.py)."""
+    from fuselane.kernels import sampling
+
+    key = ("sampling", runner, str(logits.device), logits.dtype, ws.vocab, ws.max_batch, n, mode)
+    return warmup.once(
+        "sampling",
+        key,
+        logits.device,
+        lambda: sampling.warm_up(
+            params, ws, logits.dtype, param_sets=param_sets, num_logprobs=n, logprobs_mode=mode
+        ),
+    )
+
+
 def make_v1_sampler(base: type) -> type:
     """A subclass of vLLM V1's `Sampler` class `base` whose forward runs fuselane's kernel."""
 
@@ -254,6 +285,7 @@ def make_v1_sampler(base: type) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._fuselane_ws = None
+            self._fuselane_warmed = False
             self._fuselane_bias_key: tuple | None = None
             self._fuselane_bias: tuple | None = None
 
@@ -310,12 +342,17 @@ def make_v1_sampler(base: type) -> type:
 
             params = _params_v1(self, logits, md)
             n = md.max_num_logprobs
+            ws = self._workspace(logits)
+            if not self._fuselane_warmed:
+                self._fuselane_warmed = _warm_up(
+                    "v1", logits, params, ws, n, mode, V1_WARM_PARAM_SETS
+                )
             out = _SAMPLING(
                 None,
                 sampling.fused_sample,
                 logits,
                 params,
-                workspace=self._workspace(logits),
+                workspace=ws,
                 num_logprobs=n,
                 logprobs_mode=mode,
             )
@@ -508,6 +545,7 @@ def make_v2_sampler(base: type) -> type:
                 None,
             )
             self._fuselane_reason = _unsupported_v2_sampler(self)
+            self._fuselane_warmed = False
             # Sized here, before vLLM's memory profiling, for the most rows __call__ gets.
             self._fuselane_ws = sampling.SamplingWorkspace.allocate(
                 ss.max_num_reqs,
@@ -545,12 +583,18 @@ def make_v2_sampler(base: type) -> type:
         def _fused(self, logits: torch.Tensor, batch: Any, n: int | None) -> Any:
             from fuselane.kernels import sampling
 
+            params = _params_v2(self, batch)
+            ws = self._workspace(logits)
+            if not self._fuselane_warmed:
+                self._fuselane_warmed = _warm_up(
+                    "v2", logits, params, ws, n, self.logprobs_mode, V2_WARM_PARAM_SETS
+                )
             out = _SAMPLING(
                 None,
                 sampling.fused_sample,
                 logits,
-                _params_v2(self, batch),
-                workspace=self._workspace(logits),
+                params,
+                workspace=ws,
                 num_logprobs=n,
                 logprobs_mode=self.logprobs_mode,
             )

@@ -5,12 +5,14 @@ serving stalls that step for the compile (seconds; vLLM's JIT monitor warns abou
 shape the start-up never produced (a mixed prefill + decode step, a new split count, a row bucket
 of the KV write). So the first eager call of each layer configuration launches every variant
 the launch rules can choose (`attention.warm_up`, `kv_cache.warm_up_write`) on a one-token
-batch, outside any CUDA-graph capture. Compiled variants are cached on disk by Triton, so a
+batch, outside any CUDA-graph capture, with the kernels compiled instead of run, several at
+once (`kernels._launch.compile_only`). Compiled variants are cached on disk by Triton, so a
 restart pays only the module loads. No-op off CUDA (the interpreter compiles nothing).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -18,6 +20,9 @@ from collections.abc import Callable, Hashable
 import torch
 
 from . import vllm_compat as vc
+
+# Compile threads: a compile is mostly LLVM and ptxas, outside the GIL.
+COMPILE_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 _DONE: set[Hashable] = set()
 _LOCK = threading.Lock()
@@ -35,14 +40,18 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
         if key in _DONE:
             return True
         _DONE.add(key)
+    from fuselane.kernels import _launch
+
     start = time.perf_counter()
-    launched = compile_all()
+    with _launch.compile_only(COMPILE_WORKERS):
+        launched = compile_all()
     vc.get_logger().info(
         "fuselane: %s kernels compiled for %d launch configurations in %.1f s (start-up, before "
-        "serving)",
+        "serving, %d threads)",
         kind,
         launched,
         time.perf_counter() - start,
+        COMPILE_WORKERS,
     )
     return True
 

@@ -122,7 +122,7 @@ WARMUP = (32, 512, 16)
 # rate * ONLINE_SECONDS requests (at least ONLINE_MIN_REQUESTS).
 ONLINE_INPUT_LEN, ONLINE_OUTPUT_LEN = 512, 128
 ONLINE_RATES = (4.0, 16.0)
-ONLINE_SECONDS = 6.0
+ONLINE_SECONDS = 15.0
 ONLINE_MIN_REQUESTS = 16
 
 # Greedy correctness prompts: lengths (token ids from CORRECTNESS_SEED), output tokens, and

@@ -412,6 +412,23 @@ def test_all_options_together():
              sinks=torch.linspace(-2.0, 2.0, 6, device=DEVICE))  # fmt: skip
 
 
+def test_unchecked_entry_point_matches_checked():
+    """vLLM's backend calls `paged_attention_unchecked` after a layer's first (checked) call:
+    same launches, same output bit for bit, on a mixed batch with every option."""
+    batch = make_batch([1, 5, 70], [400, 40, 300], num_q_heads=6, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=31)  # fmt: skip
+    num_rows = batch.pop("num_rows")
+    options = dict(sliding_window=100, softcap=15.0, sinks=torch.linspace(-1.0, 1.0, 6))
+    ws = workspace(6, 64)
+    checked = paged_attention(out=nan_out(batch["q"]), **batch, workspace=ws, **options)
+    unchecked = attn.paged_attention_unchecked(
+        out=nan_out(batch["q"]), **batch, workspace=ws, **options
+    )
+    assert torch.equal(unchecked[:num_rows], checked[:num_rows])
+    assert not torch.isnan(unchecked[:num_rows]).any()
+    assert torch.isnan(unchecked[num_rows:]).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA-graph invariance: the launches depend on shapes only
 # ----------------------------------------------------------------------------------------------

@@ -613,6 +613,24 @@ def test_rotary_only_variant_leaves_cache_alone():
     assert written_elements(base) == 0
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_E4M3])
+def test_unchecked_entry_point_matches_checked(cache_dtype):
+    """vLLM's backend writes through `kv_cache_update_unchecked` after a layer's first (checked)
+    write: the same bytes land in the same slots."""
+    gen = torch.Generator().manual_seed(402)
+    _, key, value = make_inputs(gen, 7, 1, 2, 64, torch.bfloat16, "qkv")
+    slots = tensor([3, 40, 17, -1, 0, 63, 21])
+    scales = {}
+    if cache_dtype == FP8_E4M3:
+        scales = dict(k_scale=tensor([0.5], dtype=torch.float32),
+                      v_scale=tensor([0.25], dtype=torch.float32))  # fmt: skip
+    want = make_cache(4, 16, 2, 64, cache_dtype, "nhd")
+    kv_cache_update(key, value, *cache_views(want, "nhd", 64), slots, **scales)
+    got = make_cache(4, 16, 2, 64, cache_dtype, "nhd")
+    kvc.kv_cache_update_unchecked(key, value, *cache_views(got, "nhd", 64), slots, **scales)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 # ----------------------------------------------------------------------------------------------
 # Registration
 # ----------------------------------------------------------------------------------------------
@@ -767,9 +785,11 @@ def test_write_rejects_bad_input(name, op):
 
 
 def test_non_tensor_argument_is_refused():
-    # the custom op's schema refuses it in the dispatcher, before the launcher runs
-    with pytest.raises(RuntimeError, match="argument 'key'"):
+    # eager calls validate it themselves; under torch.compile the op's schema refuses it
+    with pytest.raises(ValueError, match=r"^key: expected a torch.Tensor, got list"):
         kv_cache_update(**{**_good_write_args(), "key": [0.0]})
+    with pytest.raises(RuntimeError, match="argument 'key'"):
+        torch.ops.fuselane.kv_cache_update(**{**_good_write_args(), "key": [0.0]})
     with pytest.raises(ValueError, match=r"^key: expected a torch.Tensor, got list"):
         kv_cache_update_reference(**{**_good_write_args(), "key": [0.0]})
 

@@ -15,6 +15,7 @@ import struct
 import pytest
 import torch
 
+from fuselane.kernels import sampling as smp
 from fuselane.kernels.sampling import (
     LOGPROBS_MODES,
     SamplingParamsTensors,
@@ -32,6 +33,7 @@ from fuselane.kernels.sampling import (
     unpack_bin_mask,
 )
 from tests.allclose import assert_close
+from tests.device import DEVICE
 
 # The interpreter evaluates both sides of tl.where with numpy (inf - inf, log2(0) in lanes that
 # are then discarded): its RuntimeWarnings are noise here.
@@ -554,3 +556,39 @@ def test_bad_inputs():
         SamplingWorkspace.allocate(2, 40, "cpu", chunk=100)
     with pytest.raises(ValueError, match="cap: expected a power of two"):
         SamplingWorkspace.allocate(2, 40, "cpu", cap=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up warm-up: which launches it covers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_batch,vocab", [(256, 128256), (64, 151936), (8, 32000), (3, 5000)])
+def test_launch_batches_cover_every_launch_configuration(max_batch, vocab):
+    batches = smp.launch_batches(max_batch, vocab)
+    configs = {smp.pick_launch(b, vocab) for b in range(1, max_batch + 1)}
+    assert {smp.pick_launch(b, vocab) for b in batches} == configs
+    assert len(batches) == len(configs) and batches[0] == 1
+
+
+def test_warm_up_runs_each_parameter_set_at_each_configuration(monkeypatch):
+    seen = []
+    real = smp.fused_sample
+
+    def spy(logits, params, **kwargs):
+        given = tuple(
+            f for f in ("temperature", "top_k", "top_p", "min_p") if getattr(params, f) is not None
+        )
+        seen.append(
+            (logits.shape[0], given, params.state_slots is not None, kwargs["num_logprobs"])
+        )
+        return real(logits, params, **kwargs)
+
+    monkeypatch.setattr(smp, "fused_sample", spy)
+    ws = smp.SamplingWorkspace.allocate(3, 300, DEVICE, max_logprobs=2)
+    template = smp.SamplingParamsTensors(state_slots=torch.arange(3, device=DEVICE))
+    sets = ((), ("temperature", "top_k", "top_p"))
+    calls = smp.warm_up(template, ws, torch.float32, param_sets=sets, num_logprobs=None)
+    assert calls == len(seen) == len(smp.launch_batches(3, 300)) * len(sets)
+    assert {s[1] for s in seen} == set(sets)
+    assert all(s[2] and s[3] is None for s in seen)

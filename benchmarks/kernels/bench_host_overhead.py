@@ -1,0 +1,246 @@
+"""Host time per layer on vLLM's eager attention path: fuselane against its peers, same process.
+
+vLLM runs attention outside its CUDA graphs for every batch its full graphs do not cover
+(prefill and mixed steps under FULL_AND_PIECEWISE, and every step past the largest captured
+size). There each layer's attention and KV write are launched from Python, and once the host
+takes longer per layer than the GPU does, host time is step time. This measures, for
+Llama-3-8B's per-layer shapes (Hq=32, Hkv=8, D=128, page 16, bf16) and the batches of the
+end-to-end workloads:
+
+- host_us: host microseconds per call, timed while a GPU sleep queued first keeps the device
+  busy, so the host never waits for it; `waited_for_gpu` says a call blocked anyway (a hidden
+  host-device sync, which would serialize host and GPU time on every layer);
+- gpu_us: device microseconds per call (CUDA-graph replay, as the other kernel benchmarks).
+
+Rows: fuselane's attention, its KV write, their host-side parts (argument checks, launch plan),
+vLLM's unified Triton attention and its Triton KV write, FlashInfer's paged prefill `run`
+(its per-step `plan` reported separately: vLLM calls it once per step, not per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, "") and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+try:
+    from fuselane.benchmarks import harness
+    from fuselane.benchmarks.kernels import bench_attention as ba
+    from fuselane.kernels import _launch
+    from fuselane.kernels import attention as attn
+    from fuselane.kernels import kv_cache as kvk
+except ImportError:
+    from benchmarks import harness
+    from benchmarks.kernels import bench_attention as ba
+    from kernels import _launch
+    from kernels import attention as attn
+    from kernels import kv_cache as kvk
+
+CALLS = 100  # per host-time sample; a few hundred launches stay within the launch queue
+SAMPLES = 7
+# Per-layer batches of the end-to-end workloads (benchmarks/e2e/run_e2e.py): the online run's
+# steps (512-token prompts arriving while ~13 requests decode at ~600 tokens), and a prefill
+# step of the 8192-token workload (two prompts under a 16384-token step budget).
+CASES: dict[str, tuple[list[int], list[int]]] = {
+    "decode B=16 ctx=640": ([1] * 16, [640] * 16),
+    "prefill 1x512": ([512], [512]),
+    "mixed 512 + 13 decode ctx=640": ([512] + [1] * 13, [512] + [640] * 13),
+    "prefill 2x8192": ([8192] * 2, [8192] * 2),
+}
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles `torch.cuda._sleep` spins per millisecond (measured)."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles // 10)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def host_us(fn: Callable[[], object], cycles_per_ms: float) -> tuple[float, bool]:
+    """(median host microseconds per call, whether any sample waited for the GPU)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples, waited = [], False
+    for _ in range(SAMPLES):
+        # Size the sleep to outlast the loop by far: a loop as long as the sleep had to wait.
+        guess_ms = 20.0 + CALLS * (samples[-1] if samples else 2000.0) * 1e-3 * 4
+        torch.cuda._sleep(int(guess_ms * cycles_per_ms))
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        waited = waited or elapsed_ms > 0.8 * guess_ms
+        samples.append(elapsed_ms * 1e3 / CALLS)
+    return statistics.median(samples), waited
+
+
+def host_only_us(fn: Callable[[], object], reps: int = 2000) -> float:
+    """Microseconds per call of host-only work (no launch)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / reps
+
+
+def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
+    out = torch.empty_like(p.q)
+    a = p.args()
+
+    def fuselane():
+        attn.paged_attention(out=out, workspace=workspace, **a)
+
+    add(case, "fuselane", fuselane)
+    # the same launches through Triton's `kernel[grid]`: what the direct launch saves
+    _launch.DIRECT = False
+    try:
+        add_part(case, "fuselane:triton-launch", fuselane, launches=True)
+    finally:
+        _launch.DIRECT = True
+    # the directly launched kernels compute what the reference says (output poisoned first)
+    expected = ba.Expected(p, prefill=max(p.lens) > 4096)  # O(S^2) reference
+    out.fill_(float("nan"))
+    fuselane()
+    ok, detail = expected.check(out)
+    peers.note(f"{case}: fuselane output after direct launches {'PASS' if ok else 'FAIL'} "
+               f"({detail})")  # fmt: skip
+    check_args = (
+        a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
+        a["block_table"], a["max_query_len"], a["max_seq_len"], a["scale"], None, 0.0, None,
+        None, None,
+    )  # fmt: skip
+    add_part(case, "fuselane:checks", lambda: attn._check_args(*check_args))
+    plan_args = dict(
+        num_seqs=len(p.lens), num_q_heads=ba.HQ, num_kv_heads=ba.HKV, head_size=ba.D,
+        max_query_len=max(p.q_lens), sms=attn.sm_count(p.q.device), workspace=workspace,
+    )  # fmt: skip
+    add_part(case, "fuselane:plan", lambda: attn.plan_launch(**plan_args))
+    if peers.vllm is not None:
+        add(case, "vllm-triton-unified", peers.vllm_fn(p, torch.empty_like(p.q)))
+    if peers.flashinfer is None or max(p.q_lens) == 1:
+        return
+    try:
+        wrapper = peers.flashinfer.BatchPrefillWithPagedKVCacheWrapper(peers.fi_workspace, "NHD")
+
+        def plan():
+            wrapper.plan(
+                p.cu, p.kv_indptr, p.kv_indices, p.kv_last_page_len, ba.HQ, ba.HKV, ba.D,
+                ba.PAGE, causal=True, sm_scale=ba.SCALE, q_data_type=ba.DTYPE,
+                kv_data_type=ba.DTYPE,
+            )  # fmt: skip
+
+        plan()
+        o = torch.empty_like(p.q)
+        add(case, "flashinfer", lambda: wrapper.run(p.q, p.kv, out=o))
+        add_part(case, "flashinfer:plan", plan, launches=True)
+    except Exception as e:  # noqa: BLE001
+        peers.note(f"{case} flashinfer failed: {e!r}")
+
+
+def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) -> None:
+    """The step's new tokens written to random free slots of the pool."""
+    tokens = sum(p.q_lens)
+    key = torch.randn(tokens, ba.HKV, ba.D, device="cuda", dtype=ba.DTYPE)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_slots, device="cuda")[:tokens]
+    kc, vc = p.key_cache, p.value_cache
+
+    def fuselane():
+        kvk.kv_cache_update(key, value, kc, vc, slots)
+
+    add(case, "fuselane", fuselane)
+    _launch.DIRECT = False
+    try:
+        add_part(case, "fuselane:triton-launch", fuselane, launches=True)
+    finally:
+        _launch.DIRECT = True
+    # the direct launch wrote what the reference writes (fresh caches, poisoned)
+    got_k, got_v = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    want_k, want_v = got_k.clone(), got_v.clone()
+    kvk.kv_cache_update(key, value, got_k, got_v, slots)
+    kvk.kv_cache_update_reference(key, value, want_k, want_v, slots)
+    same = torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0)) and torch.equal(
+        got_v.nan_to_num(7.0), want_v.nan_to_num(7.0)
+    )
+    print(f"NOTE {case}: fuselane write after direct launches {'PASS' if same else 'FAIL'}")
+    if vllm_write is not None:
+        one = torch.ones((), dtype=torch.float32, device="cuda")
+        add(case, "vllm-triton", lambda: vllm_write(key, value, kc, vc, slots, "auto", one, one))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
+    parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_host_overhead needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    report = harness.Report("host_overhead")
+    peers = ba.Peers(report)
+    if args.no_flashinfer:
+        peers.flashinfer = None
+    vllm_write = None
+    try:
+        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+            triton_reshape_and_cache_flash,
+        )
+
+        vllm_write = triton_reshape_and_cache_flash
+    except Exception as e:  # noqa: BLE001 - any import failure disables this peer
+        peers.note(f"vllm triton_reshape_and_cache_flash unavailable: {e!r}")
+    cycles_per_ms = sleep_cycles_per_ms()
+    print(f"device: {report.info}; GPU sleep {cycles_per_ms:.0f} cycles/ms", flush=True)
+    workspace = attn.AttentionWorkspace.allocate(
+        512, ba.HQ, ba.D, torch.device("cuda"), max_splits=attn.DEFAULT_MAX_SPLITS
+    )
+    pool = ba.make_pool(4096, ba.PAGE, ba.HKV, ba.D, ba.DTYPE)
+
+    def add(case: str, impl: str, fn: Callable[[], object]) -> None:
+        """A launch: host time (GPU kept busy) and GPU time."""
+        h, waited = host_us(fn, cycles_per_ms)
+        gpu_ms = harness.time_graph(fn)
+        report.add(harness.Row("host", case, impl, gpu_ms,
+                               extra=dict(host_us=round(h, 2), waited_for_gpu=waited)))  # fmt: skip
+        print(f"{case:34s} {impl:22s} host {h:8.2f} us  gpu {gpu_ms * 1e3:9.2f} us"
+              f"{'  WAITED FOR THE GPU' if waited else ''}", flush=True)  # fmt: skip
+
+    def add_part(case: str, impl: str, fn: Callable[[], object], launches: bool = False) -> None:
+        """Host-only work (its row's time is host time; no ratio is taken)."""
+        if launches:
+            h, waited = host_us(fn, cycles_per_ms)
+        else:
+            h, waited = host_only_us(fn), False
+        report.add(harness.Row("host_parts", case, impl, h * 1e-3,
+                               extra=dict(host_us=round(h, 2), waited_for_gpu=waited)))  # fmt: skip
+        print(f"{case:34s} {impl:22s} host {h:8.2f} us"
+              f"{'  WAITED FOR THE GPU' if waited else ''}", flush=True)  # fmt: skip
+
+    for case, (q_lens, lens) in CASES.items():
+        p = ba.make_problem(q_lens, lens, gen, kv=pool)
+        bench_attention_case(case, p, workspace, peers, add, add_part)
+        bench_write_case(f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add, add_part)
+    for out_dir in (args.out, None):
+        print(f"wrote {report.write(out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
