@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import FP8_E4M3, check_choice, check_tensor
-from ._launch import cdiv, next_pow2
+from ._launch import cdiv, next_pow2, use_custom_op
 from .attention_decode import launch_decode
 from .attention_prefill import launch_prefill
 
@@ -950,7 +950,7 @@ def paged_attention(
                 f"workspace: expected device {q.device}, got {workspace.partial_out.device}"
             )
     window = 0 if sliding_window is None else sliding_window
-    if torch.compiler.is_compiling():
+    if use_custom_op(q):
         _paged_attention_op(
             q,
             key_cache,
@@ -973,8 +973,6 @@ def paged_attention(
             workspace.max_splits if workspace is not None else 0,
         )
     else:
-        # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per
-        # layer under piecewise CUDA graphs, where attention runs eagerly).
         _run(
             q,
             key_cache,
@@ -1019,6 +1017,13 @@ def paged_attention_unchecked(
     `paged_attention` once: vLLM's backend, layer by layer, where host time per layer is step
     time on its eager path. Batch sizes may differ between calls; their consistency is the
     caller's contract."""
+    if use_custom_op(q):  # traced: the checked custom-op path
+        return paged_attention(
+            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale, workspace=workspace,
+        )  # fmt: skip
     _run(
         q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
         float(scale), 0 if sliding_window is None else sliding_window, float(softcap), sinks,

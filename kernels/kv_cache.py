@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FP8_E4M3, FP8_E4M3_MAX, check_choice, check_tensor
-from ._launch import cdiv, launch, next_pow2
+from ._launch import cdiv, launch, next_pow2, use_custom_op
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -785,17 +785,10 @@ def kv_cache_update(
     k_scale, v_scale: [1] (or 0-d) float32, required for an fp8 cache:
                   stored = e4m3(saturate(x * (1 / scale))); ignored otherwise
     """
-    if torch.compiler.is_compiling() or _is_meta(key):
+    if use_custom_op(key):
         _kv_cache_update_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per layer on
-    # vLLM's eager attention path).
     _kv_cache_update_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-
-
-def _is_meta(t: object) -> bool:
-    # Meta tensors (shape propagation) take the custom op's fake implementation.
-    return isinstance(t, torch.Tensor) and t.device.type == "meta"
 
 
 def _kv_cache_update_impl(
@@ -837,6 +830,9 @@ def kv_cache_update_unchecked(
 ) -> None:
     """`kv_cache_update` without its argument checks, for eager callers that passed the same
     kind of arguments through `kv_cache_update` once (vLLM's backend, layer by layer)."""
+    if use_custom_op(key):  # traced: the checked custom-op path
+        kv_cache_update(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return
     fp8 = key_cache.dtype == FP8_E4M3
     _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
 
@@ -899,7 +895,7 @@ def rope_kv_cache_update(
     """
     args = (positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache,
             slot_mapping, k_scale, v_scale)  # fmt: skip
-    if torch.compiler.is_compiling() or _is_meta(key):
+    if use_custom_op(key):
         _rope_kv_cache_update_op(*args)
     else:  # as kv_cache_update: no custom-op dispatch on eager calls
         _rope_kv_cache_update_impl(*args)

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_choice, check_tensor
-from ._launch import cdiv, launch
+from ._launch import cdiv, launch, use_custom_op
 from .sampling_select import (
     KEY_NEG_INF,
     KEY_NO_BOUND,
@@ -1302,8 +1302,7 @@ def fused_sample(
         chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
     p = params
-    # Eager calls skip the custom-op dispatcher (host time; the op is what torch.compile sees).
-    into = _fused_sample_into if torch.compiler.is_compiling() else _fused_sample_into_impl
+    into = _fused_sample_into if use_custom_op(logits) else _fused_sample_into_impl
     into(
         logits,
         p.temperature,

@@ -216,7 +216,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, Hq, D]; key/value [T, Hkv, D] (already in the cache); output [T, Hq, D].
+        """query [T, Hq, D]; key/value [T, Hkv, D] (written to the cache here); output [T, Hq, D].
 
         Rows of `output` past `num_actual_tokens` (CUDA-graph padding) are left as they are.
         """
@@ -231,6 +231,12 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         k_scale, v_scale = self._fuselane_scales(layer)
         if not self._fuselane_warmed:
             self._fuselane_warm_up(query, key_cache, value_cache, md, k_scale, v_scale)
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            # The backend declares forward_includes_kv_cache_update: the write happens here, so
+            # vLLM has no separate KV-update op per layer (one eager op fewer between its
+            # piecewise CUDA graphs on prefill and mixed steps). Rows past the slot mapping's
+            # length (graph padding) are not written.
+            self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
         args = (query[:n], key_cache, value_cache, output[:n], md.query_start_loc, md.seq_lens,
                 md.block_table)  # fmt: skip
         options = dict(
@@ -306,7 +312,9 @@ class FuselaneAttentionBackend(vc.KVCacheShapeHooks, vc.AttentionBackend):
     empty on 0.32/0.33.
     """
 
-    forward_includes_kv_cache_update: bool = False
+    # forward() writes the new tokens' K/V itself (FuselaneAttentionImpl.forward): vLLM then
+    # calls no separate unified_kv_cache_update, an eager op of its own on every layer.
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = _supported_dtypes()
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
 

@@ -852,6 +852,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one workload, one request rate")
     p.add_argument("--dry-run", action="store_true", help="stop before the first engine")
     p.add_argument("--skip-online", action="store_true")
+    p.add_argument("--online-only", action="store_true", help="servers only (no offline engines)")
     p.add_argument("--budget-s", type=float, default=530.0, help="whole-run time budget")
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--no-results-copy", action="store_true", help="no copy in benchmarks/results")
@@ -1009,8 +1010,10 @@ def run_arm_offline(arm: Arm, args: argparse.Namespace, logs: Path, timeout: flo
 
 
 def merge_reports(paths: Sequence[str]) -> dict[str, Any]:
-    """One report from several runs' JSON: arms united (a later run's arm replaces an earlier
-    one of the same name), plans and notes kept per run; refuses runs on different devices."""
+    """One report from several runs' JSON: arms united (fields of a later run's arm replace
+    those of an earlier one of the same name, so an `--online-only` run adds its servers to an
+    earlier run's offline results), plans and notes kept per run; refuses runs on different
+    devices."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
     devices = {json.dumps(r.get("device"), sort_keys=True) for r in reports}
     if len(devices) != 1:
@@ -1018,7 +1021,8 @@ def merge_reports(paths: Sequence[str]) -> dict[str, Any]:
     merged = {k: v for k, v in reports[0].items() if k not in ("arms", "plan", "notes")}
     merged["arms"], merged["runs"], merged["notes"] = {}, [], []
     for path, r in zip(paths, reports, strict=True):
-        merged["arms"].update(r.get("arms") or {})
+        for name, arm in (r.get("arms") or {}).items():
+            merged["arms"][name] = {**merged["arms"].get(name, {}), **arm}
         merged["runs"].append({"file": Path(path).name, "started_at": r.get("started_at"),
                                "elapsed_s": r.get("elapsed_s"), "plan": r.get("plan")})  # fmt: skip
         merged["notes"] += [n for n in r.get("notes") or [] if n not in merged["notes"]]
@@ -1087,6 +1091,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if arm.needs_fuselane and report["fuselane_entry_point"] is None:
             res.update(status="failed", error="fuselane's vllm.general_plugins entry point is "
                        "not installed (pip install --target /tmp/site .)")  # fmt: skip
+            continue
+        if args.online_only:
+            res["status"] = "ok"
             continue
         if left < est_offline * 0.8:
             res.update(status="skipped", error=f"time budget: {left:.0f}s left")

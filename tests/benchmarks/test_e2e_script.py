@@ -99,6 +99,15 @@ def test_merge_reports_of_one_lease(e2e, tmp_path):
     assert ratio["reference"] == "FLASH_ATTN_v1"
     assert ratio["offline_output_tok_s"]["256x512-256"] == pytest.approx(1.1)
     assert "FLASH_ATTN_v1" not in merged["ratios"] and len(merged["runs"]) == 2
+    # an --online-only run adds its server results to the arm's offline ones
+    online = {"status": "ok", "rates": {"rate_4": {"median_ttft_ms": 30.0}}}
+    third = {**rep, "arms": {"fuselane": {"status": "ok", "online": online}}}
+    paths.append(tmp_path / "run2.json")
+    paths[-1].write_text(json.dumps(third))
+    merged = e2e.merge_reports([str(p) for p in paths])
+    assert merged["arms"]["fuselane"]["online"] == online
+    assert merged["arms"]["fuselane"]["offline"] == rep["arms"]["fuselane"]["offline"]
+    paths.pop()
     other = {**second, "device": {"name": "NVIDIA H100"}}
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different devices"):

@@ -102,7 +102,9 @@ def _layer(config, backend, prefix, dtype, **kwargs):
 
 
 def _run(config, layer, builder, kv_cache, common, ctx_slots, kv_ctx, qkv_new, pad_kv=True):
-    """The runner's order of calls: context write, new-token write, build, forward.
+    """The runner's order of calls: context write, new-token write (by vLLM's separate
+    KV-update op, or inside forward for a backend that declares
+    forward_includes_kv_cache_update, as fuselane's does), build, forward.
 
     With `pad_kv` the write gets the padded key/value rows and the unpadded slot mapping, as
     vLLM's GPU runner passes them under CUDA graphs (fuselane's write takes that; CPU_ATTN's
@@ -116,7 +118,8 @@ def _run(config, layer, builder, kv_cache, common, ctx_slots, kv_ctx, qkv_new, p
     with set_current_vllm_config(config):
         layer.impl.do_kv_cache_update(layer, k_ctx, v_ctx, kv_cache, ctx_slots)
         k_w, v_w = (k, v) if pad_kv else (k[:n], v[:n])
-        layer.impl.do_kv_cache_update(layer, k_w, v_w, kv_cache, common.slot_mapping)
+        if not layer.attn_backend.forward_includes_kv_cache_update:
+            layer.impl.do_kv_cache_update(layer, k_w, v_w, kv_cache, common.slot_mapping)
         md = builder.build(0, common)
         out = torch.full_like(q, float("nan"))
         layer.impl.forward(layer, q, k, v, kv_cache, md, out)
