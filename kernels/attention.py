@@ -615,6 +615,7 @@ def _check_args(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     max_query_len: int,
+    min_query_len: int,
     max_seq_len: int,
     scale: float,
     sliding_window: int | None,
@@ -684,6 +685,15 @@ def _check_args(
     for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    if (
+        isinstance(min_query_len, bool)
+        or not isinstance(min_query_len, int)
+        or not 0 <= min_query_len <= max_query_len
+    ):
+        raise ValueError(
+            f"min_query_len: expected an int in [0, max_query_len={max_query_len}] (0 = "
+            f"unknown), got {min_query_len!r}"
+        )
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
     if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
@@ -711,6 +721,17 @@ def _check_args(
     del num_tokens, num_blocks
 
 
+def _skips_decode(plan: LaunchPlan, min_query_len: int, q: torch.Tensor) -> bool:
+    """Whether this call can leave out the decode launch: its plan has a prefill launch and
+    every non-empty sequence is longer than the decode kernel's positions (`min_query_len`,
+    known on the host), so no program of the decode launch would find a row of its own. One
+    launch fewer per layer on prefill steps, which vLLM runs eagerly. Never while a CUDA graph
+    is captured: a replay may bring decode rows that the captured batch did not have."""
+    if plan.prefill is None or min_query_len <= plan.prefill.min_q:
+        return False
+    return not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def _run(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -728,9 +749,11 @@ def _run(
     v_scale: torch.Tensor | None,
     workspace: AttentionWorkspace | None,
     plan: LaunchPlan | None = None,
+    min_query_len: int = 0,
 ) -> None:
     """Launch the kernels of `plan` (default: `plan_launch` for these shapes). A given plan is
-    for benchmark sweeps; its splits must fit the workspace."""
+    for benchmark sweeps; its splits must fit the workspace. `min_query_len` as in
+    `paged_attention` (0: unknown)."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
         return
@@ -749,34 +772,35 @@ def _run(
     # the CPU the kernels can only be running under it.
     upcast_dot = (q.device.type == "cpu" and q.dtype == torch.bfloat16) or q.dtype == torch.float32
     dec = plan.decode
-    launch_decode(
-        q,
-        key_cache,
-        value_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        sinks,
-        k_scale,
-        v_scale,
-        workspace.partial_out if workspace is not None else None,
-        workspace.partial_ml if workspace is not None else None,
-        workspace.counters if workspace is not None else None,
-        scale=scale,
-        softcap=softcap,
-        sliding_window=sliding_window,
-        qpos=dec.qpos,
-        block_m=dec.block_m,
-        tile_n=dec.tile_n,
-        num_splits=dec.num_splits,
-        fused_reduce=dec.fused_reduce,
-        head_fast=dec.head_fast,
-        max_q=dec.max_q,
-        num_warps=dec.num_warps,
-        num_stages=dec.num_stages,
-        upcast_dot=upcast_dot,
-    )
+    if not _skips_decode(plan, min_query_len, q):
+        launch_decode(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            sinks,
+            k_scale,
+            v_scale,
+            workspace.partial_out if workspace is not None else None,
+            workspace.partial_ml if workspace is not None else None,
+            workspace.counters if workspace is not None else None,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
+            qpos=dec.qpos,
+            block_m=dec.block_m,
+            tile_n=dec.tile_n,
+            num_splits=dec.num_splits,
+            fused_reduce=dec.fused_reduce,
+            head_fast=dec.head_fast,
+            max_q=dec.max_q,
+            num_warps=dec.num_warps,
+            num_stages=dec.num_stages,
+            upcast_dot=upcast_dot,
+        )
     if plan.prefill is not None:
         pre = plan.prefill
         launch_prefill(
@@ -827,6 +851,7 @@ def _paged_attention_op(
     ws_counters: torch.Tensor | None,
     ws_max_num_tokens: int,
     ws_max_splits: int,
+    min_query_len: int = 0,
 ) -> None:
     """torch.library form of `paged_attention` (the workspace passed as its three buffers)."""
     workspace = None
@@ -856,6 +881,7 @@ def _paged_attention_op(
         k_scale,
         v_scale,
         workspace,
+        min_query_len=min_query_len,
     )
 
 
@@ -880,6 +906,7 @@ def _paged_attention_fake(
     ws_counters,
     ws_max_num_tokens,
     ws_max_splits,
+    min_query_len=0,
 ) -> None:
     return None
 
@@ -896,6 +923,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    min_query_len: int = 0,
     sliding_window: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -913,6 +941,9 @@ def paged_attention(
     seq_lens:     [num_seqs] int32, KV length of each sequence including its query tokens
     block_table:  [num_seqs, max_blocks] int32, physical block of each logical block
     max_query_len: host int >= every query length: picks the decode-only path when <= 8
+    min_query_len: host int, the shortest query among sequences with any, if the caller knows
+                  it (vLLM does; 0 = unknown): a batch of prefill chunks only (all longer than
+                  the decode kernel's positions) then skips the decode launch
     max_seq_len:  host int (accepted for vLLM parity; unused, see the module docstring)
     scale:        softmax scale (> 0)
     sliding_window: None, or W keys per query (itself included), vLLM's convention
@@ -932,6 +963,7 @@ def paged_attention(
         seq_lens,
         block_table,
         max_query_len,
+        min_query_len,
         max_seq_len,
         scale,
         sliding_window,
@@ -971,6 +1003,7 @@ def paged_attention(
             workspace.counters if workspace is not None else None,
             workspace.max_num_tokens if workspace is not None else 0,
             workspace.max_splits if workspace is not None else 0,
+            min_query_len,
         )
     else:
         _run(
@@ -989,6 +1022,7 @@ def paged_attention(
             k_scale,
             v_scale,
             workspace,
+            min_query_len=min_query_len,
         )
     return out
 
@@ -1005,6 +1039,7 @@ def paged_attention_unchecked(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    min_query_len: int = 0,
     sliding_window: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -1021,13 +1056,13 @@ def paged_attention_unchecked(
         return paged_attention(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table,
             max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
-            sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale,
-            v_scale=v_scale, workspace=workspace,
+            min_query_len=min_query_len, sliding_window=sliding_window, softcap=softcap,
+            sinks=sinks, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
         )  # fmt: skip
     _run(
         q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
         float(scale), 0 if sliding_window is None else sliding_window, float(softcap), sinks,
-        k_scale, v_scale, workspace,
+        k_scale, v_scale, workspace, min_query_len=min_query_len,
     )  # fmt: skip
     return out
 
@@ -1044,6 +1079,7 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    min_query_len: int = 0,
     sliding_window: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -1056,7 +1092,7 @@ def paged_attention_reference(
     softmax(mask(softcap(scale * q k^T)) [+ sink column]) v per query head in fp32. Reads the
     lengths on the host: a reference, not for the serving path.
     """
-    del max_query_len, max_seq_len  # the reference needs no hints
+    del max_query_len, min_query_len, max_seq_len  # the reference needs no hints
     num_q_heads, head_size = q.shape[1], q.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -8,8 +8,9 @@ the same cache layout and the same varlen metadata:
   `validate_configuration` refuses the rest with a reason and vLLM falls back.
 - `FuselaneAttentionMetadataBuilder`: once per step, turns vLLM's `CommonAttentionMetadata`
   into what `paged_attention` takes: device tensors as vLLM keeps them (no copies), the host
-  ints `max_query_len` / `max_seq_len` vLLM already has (no device->host sync), and the
-  split-KV workspace allocated once in `__init__`.
+  ints `max_query_len` / `max_seq_len` vLLM already has, `min_query_len` from vLLM's host copy
+  of the query offsets (no device->host sync either way), and the split-KV workspace allocated
+  once in `__init__`.
 - `FuselaneAttentionImpl`: a `TritonAttentionImpl` (its constructor: sliding-window, fp8 and
   sinks handling) whose `forward` runs `fuselane.kernels.attention.paged_attention` and whose
   KV write is `kv_write.FuselaneKVWriteMixin` (fuselane's kernel), or TRITON_ATTN's own when
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from fuselane.kernels import attention as attn_kernels
@@ -86,6 +88,8 @@ class FuselaneAttentionMetadata:
     block_table:     [B, max_blocks] int32 (device), kernel-block ids
     slot_mapping:    [T] int64 (device), cache slot of each new token (< 0: padding)
     max_query_len, max_seq_len: host ints from vLLM's scheduler (an upper bound for seq len)
+    min_query_len:   host int, shortest non-empty query of a step with prefill rows (0 on
+                     decode-only steps, where the kernel does not need it)
     """
 
     num_actual_tokens: int
@@ -96,6 +100,7 @@ class FuselaneAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     workspace: Any
+    min_query_len: int = 0
     phase: str | None = None  # decode / prefill / mixed for telemetry (None: telemetry off)
 
 
@@ -147,9 +152,18 @@ class FuselaneAttentionMetadataBuilder(vc.AttentionMetadataBuilder):
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
             workspace=self.workspace,
+            min_query_len=min_query_len(cm.query_start_loc_cpu) if cm.max_query_len > 1 else 0,
             # Host tensor, no sync; a no-op returning None when telemetry is off.
             phase=telemetry.note_step(cm.query_start_loc_cpu, self.decode_query_len),
         )
+
+
+def min_query_len(query_start_loc_cpu: torch.Tensor) -> int:
+    """The shortest query of a step among requests that have one (0: none), from vLLM's host
+    `query_start_loc [num_reqs + 1]`; requests of CUDA-graph padding have none."""
+    lens = np.diff(query_start_loc_cpu.numpy())
+    lens = lens[lens > 0]
+    return int(lens.min()) if lens.size else 0
 
 
 # Telemetry seam: a plain call of the kernel when telemetry is off and no fault is injected.
@@ -242,6 +256,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         options = dict(
             max_query_len=md.max_query_len,
             max_seq_len=md.max_seq_len,
+            min_query_len=md.min_query_len,
             scale=self.scale,
             sliding_window=self._fuselane_window,
             softcap=self.logits_soft_cap or 0.0,

@@ -180,6 +180,8 @@ class Problem:
             seq_lens=self.seq_lens,
             block_table=self.block_table,
             max_query_len=max(self.q_lens),
+            # as vLLM's backend passes it: a batch of prefill chunks has no decode launch
+            min_query_len=min((n for n in self.q_lens if n > 0), default=0),
             max_seq_len=max(self.lens),
             scale=options.pop("scale", SCALE),
             k_scale=self.k_scale,

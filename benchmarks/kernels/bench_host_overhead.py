@@ -121,8 +121,8 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
                f"({detail})")  # fmt: skip
     check_args = (
         a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
-        a["block_table"], a["max_query_len"], a["max_seq_len"], a["scale"], None, 0.0, None,
-        None, None,
+        a["block_table"], a["max_query_len"], a["min_query_len"], a["max_seq_len"], a["scale"],
+        None, 0.0, None, None, None,
     )  # fmt: skip
     add_part(case, "fuselane:checks", lambda: attn._check_args(*check_args))
     plan_args = dict(

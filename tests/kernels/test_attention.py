@@ -486,6 +486,44 @@ def test_launches_depend_only_on_shapes(launch_log, q_lens, lens_a, lens_b):
     assert ("_prefill_kernel" in names) == (max(q_lens) > attn.DECODE_MAX_QUERY_LEN)
 
 
+def test_prefill_only_batch_skips_decode_launch(launch_log):
+    """With the host's shortest query longer than the decode kernel's positions, the decode
+    launch (whose programs would all return at once) is left out; the output is the same to
+    the bit. Padding requests (no query) do not count; a query of exactly the cap is the
+    decode kernel's row, so its launch stays."""
+    ws = workspace(4, 64)
+    batch = make_batch([40, 0, 17], [100, 0, 17], num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=11)  # fmt: skip
+    cap = plan_for(batch, ws).prefill.min_q
+    skipped = run_case(batch, workspace=ws, min_query_len=17)
+    assert [entry[0] for entry in launch_log] == ["_prefill_kernel"]
+    launch_log.clear()
+    both = run_case(batch, workspace=ws)  # min_query_len unknown (0): both launches
+    assert [entry[0] for entry in launch_log] == ["_decode_kernel", "_prefill_kernel"]
+    assert torch.equal(skipped[: batch["num_rows"]], both[: batch["num_rows"]])
+    launch_log.clear()
+    at_cap = make_batch([cap, 40], [cap + 30, 60], num_q_heads=4, num_kv_heads=2,
+                        head_size=64, block_size=16, seed=12)  # fmt: skip
+    run_case(at_cap, workspace=ws, min_query_len=cap)
+    assert [entry[0] for entry in launch_log] == ["_decode_kernel", "_prefill_kernel"]
+
+
+def test_decode_launch_kept_while_a_cuda_graph_is_captured(monkeypatch):
+    """A captured graph is replayed with other batches, decode rows included: no skip then."""
+    plan = attn.plan_launch(num_seqs=2, num_q_heads=4, num_kv_heads=2, head_size=64,
+                            max_query_len=40, sms=132, workspace=None)  # fmt: skip
+    on_gpu = dataclasses.make_dataclass("T", ["device"])(torch.device("cuda", 0))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert attn._skips_decode(plan, 17, on_gpu)
+    capturing[0] = True
+    assert not attn._skips_decode(plan, 17, on_gpu)
+    assert not attn._skips_decode(plan, plan.prefill.min_q, torch.empty(1))
+    decode_only = attn.plan_launch(num_seqs=2, num_q_heads=4, num_kv_heads=2, head_size=64,
+                                   max_query_len=1, sms=132, workspace=None)  # fmt: skip
+    assert not attn._skips_decode(decode_only, 1, torch.empty(1))
+
+
 def test_split_rule_follows_batch_size():
     """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
     stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
@@ -689,6 +727,9 @@ def _bad_inputs():
          "block_table: expected dtype"),
         ("max_query_len", set_("max_query_len", -1), "max_query_len: expected an int >= 0"),
         ("max_seq_len", set_("max_seq_len", 2.5), "max_seq_len: expected an int >= 0"),
+        ("min_query_len above max", set_("min_query_len", 6),
+         r"min_query_len: expected an int in \[0, max_query_len=5\] \(0 = unknown\), got 6"),
+        ("min_query_len negative", set_("min_query_len", -1), "min_query_len: expected an int"),
         ("scale", set_("scale", 0.0), "scale: expected a finite float > 0"),
         ("scale nan", set_("scale", float("nan")), "scale: expected a finite float > 0"),
         ("softcap", set_("softcap", -1.0), "softcap: expected a finite float >= 0"),

@@ -27,6 +27,8 @@ NUM_BLOCKS = 48
 # (cached context, new query tokens) per request: decodes, a 5-token verify, a prefill chunk
 # after cached context, a fresh prefill crossing block boundaries, a decode at a block edge.
 MIXED = [(40, 1), (95, 1), (20, 5), (70, 12), (0, 37), (63, 1)]
+# A prefill step: chunks only (the attention call leaves out its decode launch).
+PREFILL = [(70, 12), (0, 37), (25, 20)]
 PAD_ROWS = 3  # CUDA-graph style padding rows after the real tokens
 
 DTYPES = [d for d in (torch.float16, torch.float32) if d in attn_kernels.SUPPORTED_Q_DTYPES]
@@ -207,6 +209,42 @@ def test_mixed_batch_matches_cpu_attn(vllm_config, dtype, case):
     # The metadata is vLLM's own tensors plus host ints: nothing copied, nothing synced.
     assert fl_md.seq_lens is common.seq_lens and fl_md.block_table is common.block_table_tensor
     assert fl_md.max_query_len == max(q for _, q in MIXED) and fl_md.num_actual_tokens == n
+    assert fl_md.min_query_len == min(q for _, q in MIXED)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_step_matches_cpu_attn(vllm_config, dtype):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from fuselane.plugin.backend import FuselaneAttentionBackend
+
+    gen = torch.Generator().manual_seed(17)
+    common, ctx_slots = _batch(PREFILL, gen)
+    kv_ctx, new = _inputs(PREFILL, dtype, gen)
+    n = common.num_actual_tokens
+    outs = []
+    for backend, cache in (
+        (FuselaneAttentionBackend, _fuselane_cache(dtype)),
+        (CPUAttentionBackend, torch.zeros(NUM_BLOCKS, HKV, BLOCK, 2 * D, dtype=dtype)),
+    ):
+        prefix = f"prefill.{backend.get_name()}.{str(dtype)[6:]}"
+        layer, builder = _layer(vllm_config, backend, prefix, dtype)
+        fuselane = backend is FuselaneAttentionBackend
+        out, md = _run(vllm_config, layer, builder, cache, common, ctx_slots, kv_ctx, new, fuselane)
+        outs.append(out)
+        if fuselane:
+            assert md.min_query_len == 12 and md.max_query_len == 37
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(outs[0][:n], outs[1][:n], atol=atol, rtol=rtol, what="prefill step")
+    assert torch.isnan(outs[0][n:]).all(), "padding rows of the output were written"
+
+
+def test_min_query_len_ignores_requests_without_queries():
+    from fuselane.plugin.backend import min_query_len
+
+    assert min_query_len(torch.tensor([0, 5, 5, 12, 12], dtype=torch.int32)) == 5
+    assert min_query_len(torch.tensor([0, 0, 0], dtype=torch.int32)) == 0
+    assert min_query_len(torch.tensor([0], dtype=torch.int32)) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
