@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import importlib
 import importlib.metadata as md
@@ -69,7 +70,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -595,6 +596,33 @@ def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             return
 
 
+@contextlib.contextmanager
+def owned_process(
+    cmd: Sequence[str], env: dict[str, str], log: Any, stop_timeout: float = 30.0
+) -> Iterator[subprocess.Popen]:
+    """A child in its own process group, stopped with everything it spawned when the block
+    ends, however it ends (an exception, or SIGTERM / SIGHUP through `exit_on_termination`):
+    an engine left behind holds the GPU's memory, and the next engine fails to start."""
+    proc = subprocess.Popen(
+        list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        yield proc
+    finally:
+        _stop(proc, timeout=stop_timeout)
+
+
+def exit_on_termination() -> None:
+    """SIGTERM / SIGHUP (an outer `timeout`, a closed session) end the run as SystemExit, so
+    `owned_process` blocks stop their engines; Python's default would end it on the spot."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+
+
 def run_online(arm: Arm, model_dir: Path, log_path: Path, quick: bool, start_timeout: float):
     import_httpx()
     port = free_port()
@@ -603,19 +631,15 @@ def run_online(arm: Arm, model_dir: Path, log_path: Path, quick: bool, start_tim
     result: dict[str, Any] = {"command": " ".join(cmd)}
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, env=arm_env(arm), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            _wait_server(proc, base_url, start_timeout)
-            result["engine_start_s"] = time.perf_counter() - t0
-            result["rates"] = asyncio.run(_drive_online(base_url, online_plan(quick)))
-            result["status"] = "ok"
-        except Exception as e:  # noqa: BLE001 - recorded
-            result["status"] = "failed"
-            result["error"] = f"{type(e).__name__}: {e}"
-        finally:
-            _stop(proc)
+        with owned_process(cmd, arm_env(arm), log) as proc:
+            try:
+                _wait_server(proc, base_url, start_timeout)
+                result["engine_start_s"] = time.perf_counter() - t0
+                result["rates"] = asyncio.run(_drive_online(base_url, online_plan(quick)))
+                result["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - recorded
+                result["status"] = "failed"
+                result["error"] = f"{type(e).__name__}: {e}"
     return result
 
 
@@ -984,15 +1008,11 @@ def run_arm_offline(arm: Arm, args: argparse.Namespace, logs: Path, timeout: flo
     cmd += ["--smoke"] if args.smoke else []
     log_path = logs / f"{arm.name}-offline.log"
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=arm_env(arm), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    with open(log_path, "w") as log, owned_process(cmd, arm_env(arm), log, 10.0) as proc:
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        _stop(proc, timeout=10)  # and any engine-core child it left
     res: dict[str, Any] = {}
     if result_path.exists():
         try:
@@ -1047,6 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker_offline(
             arm, args.model, selected_workloads(args.quick), Path(args.worker_result)
         )
+    exit_on_termination()
     t_start = time.monotonic()
     out_dir = Path(args.out) if args.out else None
     report = new_report(args)

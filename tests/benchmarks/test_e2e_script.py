@@ -5,6 +5,7 @@ Nothing here starts an engine; the script runs for real only on the GPU machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -278,3 +279,59 @@ def test_dry_run_writes_plan_without_engine(tmp_path):
     assert "versions" in rep and "device" in rep
     assert "FLASH_ATTN" in proc.stdout  # the table is printed last
     assert not (tmp_path / "logs").exists()  # no engine was started
+
+
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_termination_stops_the_engines_it_started(tmp_path):
+    """SIGTERM to the script (an outer `timeout`) stops the engine process it owns and what
+    that one spawned (vLLM's engine core), so no engine is left holding the GPU."""
+    import os
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    engine = (
+        "import subprocess, sys, time; core = subprocess.Popen(['sleep', '120']); "
+        f"open({str(pids)!r}, 'w').write(f'{{core.pid}}\\n'); time.sleep(120)"
+    )
+    script = (
+        "import importlib.util, os, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('e2e', {str(SCRIPT)!r})\n"
+        "mod = sys.modules['e2e'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "mod.exit_on_termination()\n"
+        f"with mod.owned_process([sys.executable, '-c', {engine!r}], dict(os.environ), None, "
+        "5.0) as proc:\n"
+        "    print(proc.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    engine_pid = None
+    try:
+        engine_pid = int(runner.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not pids.exists() or not pids.read_text().endswith("\n"):
+            assert time.monotonic() < deadline, "engine did not start its child"
+            time.sleep(0.1)
+        core_pid = int(pids.read_text())
+        assert _running(engine_pid) and _running(core_pid)
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while (_running(engine_pid) or _running(core_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(engine_pid) and not _running(core_pid)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if engine_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(engine_pid, signal.SIGKILL)
