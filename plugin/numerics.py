@@ -271,6 +271,7 @@ class AttentionCheck:
         max_query_len: int,
         max_seq_len: int,
         scale: float,
+        min_query_len: int = 0,  # a launch choice of the kernel; the check needs none
         sliding_window: int | None = None,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,

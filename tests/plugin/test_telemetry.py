@@ -9,6 +9,7 @@ without PROMETHEUS_MULTIPROC_DIR, read back the way vLLM's /metrics and the cana
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from fuselane.kernels import attention as attn_kernels
 from fuselane.kernels import kv_cache as kv_kernels
+from fuselane.kernels import sampling as sampling_kernels
 from fuselane.plugin import faults, kernel_timing, metrics_export, numerics, telemetry
 from tests import prometheus
 
@@ -89,7 +91,7 @@ def attention_inputs(seed=0):
     cu = torch.tensor([0, 1, 4], dtype=torch.int32)
     seq_lens = torch.tensor([20, 3], dtype=torch.int32)
     table = torch.tensor([[1, 4], [2, 0]], dtype=torch.int32)
-    kwargs = dict(max_query_len=3, max_seq_len=20, scale=0.125)
+    kwargs = dict(max_query_len=3, min_query_len=1, max_seq_len=20, scale=0.125)
     return (q, kc, vc, out, cu, seq_lens, table), kwargs
 
 
@@ -307,6 +309,26 @@ def test_stock_seam_is_counted_not_checked(tel):
 
 
 # ---------------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize(
+    "kernel,check",
+    [
+        (attn_kernels.paged_attention, numerics.AttentionCheck),
+        (attn_kernels.paged_attention_unchecked, numerics.AttentionCheck),
+        (kv_kernels.kv_cache_update, numerics.KVWriteCheck),
+        (kv_kernels.kv_cache_update_unchecked, numerics.KVWriteCheck),
+        (kv_kernels.rope_kv_cache_update, numerics.RopeKVWriteCheck),
+        (sampling_kernels.fused_sample, numerics.SamplingCheck),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_checks_take_every_argument_of_their_kernel(kernel, check):
+    """A check receives the kernel call's own arguments: one the kernel gained and the check
+    lacks would make every check of that kernel an error in serving."""
+    taken = inspect.signature(check.after).parameters
+    missing = [name for name in inspect.signature(kernel).parameters if name not in taken]
+    assert not missing, f"{check.__name__}.after lacks {missing}"
 
 
 def test_compare_counts_nonfinite_and_tolerance():
