@@ -26,7 +26,10 @@ shape stays valid for any sequence lengths replayed into it):
   merges the partials (one launch).
 - otherwise (prefill, mixed): the decode kernel takes the sequences with query_len <= qpos_cap
   and `_prefill_kernel` the others; both are launched over the whole batch and each program
-  reads its sequence's query_len on the device to know whether it is its own.
+  reads its sequence's query_len on the device to know whether it is its own. A caller that
+  knows on the host that no sequence is short enough for the decode kernel (`min_query_len`:
+  a step of prefill chunks only) has the prefill kernel launched alone, outside CUDA-graph
+  capture.
 
 `max_query_len` and `max_seq_len` only pick the path: every path is exact for any query
 lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is not used at
