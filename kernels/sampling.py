@@ -83,6 +83,8 @@ from .sampling_select import (
     gumbel,
     key,
     load_row_params,
+    penalized_rows,
+    process_rows,
     process_tile,
     row_search,
     search_list,
@@ -120,12 +122,21 @@ CHUNK_LARGE = 4096
 ONE_WAVE_PROGRAMS = 132
 SMALL_CHUNK_PROGRAMS = 2048
 LARGE_GRID_WARPS = 4
-LARGE_GRID_MAXNREG = 128
+LARGE_GRID_MAXNREG = 0
 MIN_CHUNK = 128
+COMBINE_MAXNREG = 128
 CAP = 64  # candidates kept per chunk; rows whose kept set does not fit take the exact fallback
 FB_TILE = 256  # fallback pass tile (elements)
+SURVIVORS = 64  # top-k / min-p survivors gathered for top-p and the draw (else list searches)
 FB_PIVOTS = 16  # fallback key search: pivots per pass (4 bits of the key per pass)
 BIAS_BLOCK = 16  # logit-bias entries loaded per step
+# Penalties, measured on an H100 (2026-11-25, bench_sampling.py, 2000 prompt + 256 output ids
+# among 151936, B=256): applied to every value (PCAP 0) vs the penalized 4-token rows of a chunk
+# processed apart (gathered PEN_ROWS per step, at most PEN_CAP_MAX rows; ~60 of a 4096-chunk's
+# 1024 here): see PCAP's measurement note in .notes/sampling.md.
+PCAP = 0
+PEN_CAP_MAX = 128
+PEN_ROWS = 64
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
@@ -174,6 +185,7 @@ def _sample_chunk_kernel(
     sti_ptr,
     cand_ptr,
     rcand_ptr,
+    pscr_ptr,
     CHUNK: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
@@ -193,6 +205,8 @@ def _sample_chunk_kernel(
     NEED_RAW: tl.constexpr,
     RAW_CANDS: tl.constexpr,
     BIAS_BLOCK: tl.constexpr,
+    PCAP: tl.constexpr,
+    PEN_ROWS: tl.constexpr,
 ):
     """Per-chunk partials. Grid (NC, B); program (c, b) reads logits[b, c*CHUNK:(c+1)*CHUNK]
     once (logits: [B, V] fp32/bf16/fp16, stride 1 in V; parameters as in fused_sample).
@@ -251,7 +265,13 @@ def _sample_chunk_kernel(
         HAS_OFFSETS,
     )
     start = c.to(tl.int64) * CHUNK
-    tok, x, z, is_nan = process_tile(
+    idx = row * NC + c
+    # Penalties: applied to every value in this pass (PCAP = 0), or (PCAP > 0) the chunk is
+    # processed without them, the 4-token rows holding a penalized token (prompt / output ids)
+    # are masked out of it and processed again, gathered (at most PCAP rows; past that the
+    # whole chunk is processed again with them).
+    SPARSE_PEN: tl.constexpr = HAS_PEN and PCAP > 0
+    _tok, x, z, is_nan = process_tile(
         start,
         row,
         slot,
@@ -276,35 +296,231 @@ def _sample_chunk_kernel(
         Q,
         HAS_TEMP,
         HAS_BIAS,
+        HAS_PEN and not SPARSE_PEN,
+        HAS_OUT_MASK,
+        BIAS_BLOCK,
+    )
+    npen = tl.full((), 0, tl.int32)
+    pen = tl.zeros([Q], dtype=tl.int1)
+    # -inf before the masking (penalties keep finite values finite)
+    has_ninf = tl.min(tl.min(z, axis=1), axis=0) == float("-inf")
+    if SPARSE_PEN:
+        if use_pen:
+            pen = penalized_rows(
+                start,
+                slot,
+                V,
+                rep,
+                pmask_ptr,
+                pmask_stride,
+                counts_ptr,
+                counts_stride,
+                omask_ptr,
+                omask_stride,
+                Q,
+                HAS_OUT_MASK,
+            )
+            npen = tl.sum(pen.to(tl.int32), axis=0)
+            if npen > PCAP:
+                _t, _x, z, _n = process_tile(
+                    start,
+                    row,
+                    slot,
+                    logits_ptr,
+                    stride_row,
+                    V,
+                    t_eff,
+                    rep,
+                    freq,
+                    pres,
+                    use_pen,
+                    nbias,
+                    pmask_ptr,
+                    pmask_stride,
+                    counts_ptr,
+                    counts_stride,
+                    omask_ptr,
+                    omask_stride,
+                    btok_ptr,
+                    bval_ptr,
+                    b_stride,
+                    Q,
+                    HAS_TEMP,
+                    HAS_BIAS,
+                    True,
+                    HAS_OUT_MASK,
+                    BIAS_BLOCK,
+                )
+                npen = 0
+            else:
+                z = tl.where(pen[:, None], float("-inf"), z)
+    qmax = tl.max(z, axis=1)  # in-thread maxima of the 4-token rows [Q]
+    zmax = tl.max(qmax, axis=0)
+    # sum exp(z - zmax) = sum 2^(z*log2e - zmax*log2e); -inf values give 0
+    zsum = tl.sum(tl.sum(tl.exp2(z * _LOG2E - zmax * _LOG2E), axis=1), axis=0)
+    zsum = tl.where(zmax > float("-inf"), zsum, 0.0)
+    # Finite and NaN counts: a chunk without -inf (NaN became -inf) has every value finite,
+    # so only chunks holding one (the row's last, masked ones) count value by value.
+    n_fin = tl.full((), 4 * Q, tl.int32)
+    n_nan = tl.full((), 0, tl.int32)
+    if has_ninf:
+        n_fin = tl.sum(tl.sum((z > float("-inf")).to(tl.int32), axis=1), axis=0)
+        n_nan = tl.sum(tl.sum(is_nan.to(tl.int32), axis=1), axis=0)
+    if SPARSE_PEN:
+        if npen > 0:
+            # the masked rows: their statistics merged as the combine merges chunks, their
+            # row maxima put back for the candidate cut
+            s32 = start.to(tl.int32)
+            prow_ptr = pscr_ptr + idx * (2 * PCAP)
+            pq_ptr = prow_ptr + PCAP
+            ppos = tl.cumsum(pen.to(tl.int32), axis=0) - 1
+            tl.store(prow_ptr + ppos, tl.arange(0, Q), mask=pen)
+            tl.debug_barrier()  # the row list of every thread before the gathers read it
+            mp = tl.full((), float("-inf"), tl.float32)
+            sp = tl.full((), 0.0, tl.float32)
+            for p0 in range(0, npen, PEN_ROWS):
+                pi = p0 + tl.arange(0, PEN_ROWS)
+                pv = pi < npen
+                prow = tl.load(prow_ptr + pi, mask=pv, other=0)
+                _pt, _px, zp = process_rows(
+                    s32 + prow * 4,
+                    pv,
+                    s32,
+                    s32 + (4 * Q - 1),
+                    row,
+                    slot,
+                    logits_ptr,
+                    stride_row,
+                    V,
+                    t_eff,
+                    rep,
+                    freq,
+                    pres,
+                    use_pen,
+                    nbias,
+                    pmask_ptr,
+                    pmask_stride,
+                    counts_ptr,
+                    counts_stride,
+                    omask_ptr,
+                    omask_stride,
+                    btok_ptr,
+                    bval_ptr,
+                    b_stride,
+                    HAS_TEMP,
+                    HAS_BIAS,
+                    True,
+                    HAS_OUT_MASK,
+                    BIAS_BLOCK,
+                )
+                qp = tl.max(zp, axis=1)
+                m_new = tl.maximum(mp, tl.max(qp, axis=0))
+                part = tl.sum(tl.sum(tl.exp2(zp * _LOG2E - m_new * _LOG2E), axis=1), axis=0)
+                sp = tl.where(
+                    m_new > float("-inf"),
+                    tl.where(mp > float("-inf"), sp * tl.exp2((mp - m_new) * _LOG2E), 0.0) + part,
+                    0.0,
+                )
+                mp = m_new
+                if has_ninf:  # else every value of the chunk is finite: n_fin is right
+                    n_fin += tl.sum(tl.sum((zp > float("-inf")).to(tl.int32), axis=1), axis=0)
+                tl.store(pq_ptr + pi, qp.to(tl.int32, bitcast=True), mask=pv)
+            tl.debug_barrier()  # every gathered row maximum before the rows read them back
+            m2 = tl.maximum(zmax, mp)
+            zsum = tl.where(
+                m2 > float("-inf"),
+                tl.where(zmax > float("-inf"), zsum * tl.exp2((zmax - m2) * _LOG2E), 0.0)
+                + tl.where(mp > float("-inf"), sp * tl.exp2((mp - m2) * _LOG2E), 0.0),
+                0.0,
+            )
+            zmax = m2
+            qback = tl.load(pq_ptr + ppos, mask=pen, other=0).to(tl.float32, bitcast=True)
+            qmax = tl.where(pen, qback, qmax)
+    cnt, floor = select_candidates(
+        qmax,
+        zmax,
+        start,
+        cand_ptr + idx * CAP,
+        False,
+        row,
+        slot,
+        logits_ptr,
+        stride_row,
+        V,
+        t_eff,
+        rep,
+        freq,
+        pres,
+        use_pen,
+        nbias,
+        pmask_ptr,
+        pmask_stride,
+        counts_ptr,
+        counts_stride,
+        omask_ptr,
+        omask_stride,
+        btok_ptr,
+        bval_ptr,
+        b_stride,
+        Q,
+        CAP,
+        HAS_TEMP,
+        HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
         BIAS_BLOCK,
     )
-    zmax = tl.max(tl.max(z, axis=1), axis=0)
-    # sum exp(z - zmax) = sum 2^(z*log2e - zmax*log2e); -inf values give 0
-    zsum = tl.sum(tl.sum(tl.exp2(z * _LOG2E - zmax * _LOG2E), axis=1), axis=0)
-    zsum = tl.where(zmax > float("-inf"), zsum, 0.0)
-    # finite and NaN counts in one reduction (a chunk holds < 2^16 values)
-    counts = tl.sum(
-        tl.sum((z > float("-inf")).to(tl.int32) + is_nan.to(tl.int32) * 65536, axis=1), axis=0
-    )
-    idx = row * NC + c
-    cnt, floor = select_candidates(z, zmax, tok, cand_ptr + idx * CAP, Q, CAP)
     tl.store(stf_ptr + 0 * PLANE + idx, zmax)
     tl.store(stf_ptr + 1 * PLANE + idx, zsum)
     tl.store(stf_ptr + 2 * PLANE + idx, floor)
     tl.store(sti_ptr + 0 * PLANE + idx, cnt)
-    tl.store(sti_ptr + 2 * PLANE + idx, counts >> 16)
-    tl.store(sti_ptr + 4 * PLANE + idx, counts & 0xFFFF)
+    tl.store(sti_ptr + 2 * PLANE + idx, n_nan)
+    tl.store(sti_ptr + 4 * PLANE + idx, n_fin)
     if NEED_RAW:
-        rmax = tl.max(tl.max(x, axis=1), axis=0)
+        xmax = tl.max(x, axis=1)
+        rmax = tl.max(xmax, axis=0)
         rsum = tl.sum(tl.sum(tl.exp2(x * _LOG2E - rmax * _LOG2E), axis=1), axis=0)
         tl.store(stf_ptr + 3 * PLANE + idx, rmax)
         tl.store(stf_ptr + 4 * PLANE + idx, tl.where(rmax > float("-inf"), rsum, 0.0))
-        rfin = tl.sum(tl.sum((x > float("-inf")).to(tl.int32), axis=1), axis=0)
+        rfin = tl.full((), 4 * Q, tl.int32)
+        if tl.min(tl.min(x, axis=1), axis=0) == float("-inf"):
+            rfin = tl.sum(tl.sum((x > float("-inf")).to(tl.int32), axis=1), axis=0)
         tl.store(sti_ptr + 5 * PLANE + idx, rfin)
         if RAW_CANDS:
-            rcnt, rfloor = select_candidates(x, rmax, tok, rcand_ptr + idx * CAP, Q, CAP)
+            rcnt, rfloor = select_candidates(
+                xmax,
+                rmax,
+                start,
+                rcand_ptr + idx * CAP,
+                True,
+                row,
+                slot,
+                logits_ptr,
+                stride_row,
+                V,
+                t_eff,
+                rep,
+                freq,
+                pres,
+                use_pen,
+                nbias,
+                pmask_ptr,
+                pmask_stride,
+                counts_ptr,
+                counts_stride,
+                omask_ptr,
+                omask_stride,
+                btok_ptr,
+                bval_ptr,
+                b_stride,
+                Q,
+                CAP,
+                HAS_TEMP,
+                HAS_BIAS,
+                HAS_PEN,
+                HAS_OUT_MASK,
+                BIAS_BLOCK,
+            )
             tl.store(stf_ptr + 5 * PLANE + idx, rfloor)
             tl.store(sti_ptr + 1 * PLANE + idx, rcnt)
     # Rows without any truncation draw here: Gumbel argmax over every finite value. The chunk
@@ -394,6 +610,7 @@ def _sample_combine_kernel(
     sti_ptr,
     cand_ptr,
     rcand_ptr,
+    pscr_ptr,
     out_tok_ptr,
     out_lp_ptr,
     out_ids_ptr,
@@ -426,6 +643,7 @@ def _sample_combine_kernel(
     BIAS_BLOCK: tl.constexpr,
     NP: tl.constexpr,
     FB_TILE: tl.constexpr,
+    KC: tl.constexpr,
 ):
     """Per-row merge of the chunk partials; grid (B,). Outputs for row b: out_tok[b] int64,
     out_lp[b] fp32 (MODE > 0), out_ids[b*n:(b+1)*n] int64 and out_tlp[...] fp32 (TOPN),
@@ -535,34 +753,69 @@ def _sample_combine_kernel(
             lb = kmin
             if k_on & (nfin > k):
                 if tl.sum((ck > kF).to(tl.int32), axis=0) >= k:
-                    lb = tl.maximum(lb, search_list(ck, 1.0, k.to(tl.float32), kF + 1, km + 1))
+                    kth = search_list(ck, 1.0, k.to(tl.float32), kF + 1, km + 1, True)
+                    lb = tl.maximum(lb, kth)
                 else:
                     fb = 1
             if (lb != _KEY_NO_BOUND) & (lb <= kF) & (~complete):
                 fb = 1  # a lower bound the lists do not cover
-            tau = lb
-            if (fb == 0) & p_on:
-                eL = tl.where(ck >= lb, e, 0.0)
-                ZL = tl.where(lb == _KEY_NO_BOUND, Z, tl.sum(eL, axis=0))
-                target = p * ZL
-                lo0 = tl.maximum(lb, kF + 1)
-                if tl.sum(tl.where(ck >= lo0, eL, 0.0), axis=0) >= target:
-                    tau = tl.maximum(tau, search_list(ck, eL, target, lo0, km + 1))
-                elif ~complete:
-                    fb = 1
-            if (fb == 0) & (tau <= kF) & (~complete):
-                fb = 1  # the kept set reaches below a chunk floor
-            if fb == 0:
-                keep = ck >= tau
-                Ztau = tl.sum(tl.where(keep, e, 0.0), axis=0)
-                kept = tl.sum(keep.to(tl.int32), axis=0)
-                noise = gumbel(h, ci)
-                sc = tl.where(keep, cz + tl.where(greedy, 0.0, noise), float("-inf"))
+            # Few survivors of top-k / min-p (the usual k): they are gathered into KC slots
+            # (the row's own list region, already read), so top-p compares each survivor with
+            # the others instead of searching, and only they draw noise.
+            surv = ck >= lb
+            n_surv = tl.sum(surv.to(tl.int32), axis=0)
+            if (fb == 0) & (lb != _KEY_NO_BOUND) & (n_surv <= KC):
+                rbase = cand_ptr + sb * CAP
+                tl.debug_barrier()  # every thread has read the list before the region is reused
+                tl.store(rbase + tl.cumsum(surv.to(tl.int32), axis=0) - 1, packed, mask=surv)
+                tl.debug_barrier()
+                jj = tl.arange(0, KC)
+                jv = jj < n_surv
+                sv = tl.load(rbase + jj, mask=jv, other=_EMPTY)
+                sz = (sv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                si = (sv & 0xFFFFFFFF).to(tl.int32)
+                sk = key(sz)
+                se = tl.exp2((sz - m) * _LOG2E)
+                tau = lb
+                if p_on:
+                    # mass of the survivors at or above each survivor's key
+                    mass = tl.sum(tl.where(sk[None, :] >= sk[:, None], se[None, :], 0.0), axis=1)
+                    target = p * tl.max(mass, axis=0)
+                    top_key = tl.max(tl.where(jv & (mass >= target), sk, _KEY_NO_BOUND), axis=0)
+                    tau = tl.maximum(tau, top_key.to(tl.int64))
+                keep_s = jv & (sk >= tau)
+                Ztau = tl.sum(tl.where(keep_s, se, 0.0), axis=0)
+                kept = tl.sum(keep_s.to(tl.int32), axis=0)
+                sc = tl.where(keep_s, sz + tl.where(greedy, 0.0, gumbel(h, si)), float("-inf"))
                 bv, bpos = tl.max(
                     sc, axis=0, return_indices=True, return_indices_tie_break_left=True
                 )
-                tok = _pick(ar, bpos, ci).to(tl.int64)
-                ztok = _pick(ar, bpos, cz)
+                tok = _pick(jj, bpos, si).to(tl.int64)
+                ztok = _pick(jj, bpos, sz)
+            else:
+                tau = lb
+                if (fb == 0) & p_on:
+                    eL = tl.where(ck >= lb, e, 0.0)
+                    ZL = tl.where(lb == _KEY_NO_BOUND, Z, tl.sum(eL, axis=0))
+                    target = p * ZL
+                    lo0 = tl.maximum(lb, kF + 1)
+                    if tl.sum(tl.where(ck >= lo0, eL, 0.0), axis=0) >= target:
+                        tau = tl.maximum(tau, search_list(ck, eL, target, lo0, km + 1, False))
+                    elif ~complete:
+                        fb = 1
+                if (fb == 0) & (tau <= kF) & (~complete):
+                    fb = 1  # the kept set reaches below a chunk floor
+                if fb == 0:
+                    keep = ck >= tau
+                    Ztau = tl.sum(tl.where(keep, e, 0.0), axis=0)
+                    kept = tl.sum(keep.to(tl.int32), axis=0)
+                    noise = gumbel(h, ci)
+                    sc = tl.where(keep, cz + tl.where(greedy, 0.0, noise), float("-inf"))
+                    bv, bpos = tl.max(
+                        sc, axis=0, return_indices=True, return_indices_tie_break_left=True
+                    )
+                    tok = _pick(ar, bpos, ci).to(tl.int64)
+                    ztok = _pick(ar, bpos, cz)
 
     # ---- raw softmax statistics (raw modes)
     mr = tl.full((), float("-inf"), tl.float32)
@@ -934,10 +1187,14 @@ class SamplingWorkspace:
         cap: int = CAP,
         chunk_warps: int | None = None,
         maxnreg: int | None = None,
+        pen_cap: int = PCAP,
+        pen_rows: int = PEN_ROWS,
     ) -> SamplingWorkspace:
         """chunk, cap, chunk_warps (warps of the chunk kernel) and maxnreg (its register cap;
         both apply only with chunk) override the launch rule: tests use tiny chunk/cap to
-        exercise every path, the benchmark's --sweep times alternatives."""
+        exercise every path, the benchmark's --sweep times alternatives. pen_cap (at most
+        PEN_CAP_MAX; 0 = penalties on every value) and pen_rows: penalized rows a chunk processes
+        apart, and per gather step."""
         if max_batch < 1 or vocab < 1:
             raise ValueError(f"max_batch and vocab: expected >= 1, got {max_batch}, {vocab}")
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
@@ -948,11 +1205,16 @@ class SamplingWorkspace:
             raise ValueError(f"chunk: expected a power of two >= {MIN_CHUNK}, got {chunk}")
         if cap < 2 or cap & (cap - 1):
             raise ValueError(f"cap: expected a power of two >= 2, got {cap}")
+        if not 0 <= pen_cap <= PEN_CAP_MAX:
+            raise ValueError(f"pen_cap: expected a value in [0, {PEN_CAP_MAX}], got {pen_cap}")
+        if pen_rows < 1 or pen_rows & (pen_rows - 1):
+            raise ValueError(f"pen_rows: expected a power of two >= 1, got {pen_rows}")
         ws = cls()
         device = torch.device(device)
         ws.device, ws.max_batch, ws.vocab = device, max_batch, vocab
         ws.max_logprobs, ws.chunk, ws.cap = max_logprobs, chunk, cap
         ws.chunk_warps, ws.maxnreg = chunk_warps or 0, maxnreg or 0
+        ws.pen_cap, ws.pen_rows = pen_cap, pen_rows
         # Planes hold one entry per (row, chunk); size for the largest grid of any batch size.
         if chunk is not None:
             plane = max_batch * cdiv(vocab, chunk)
@@ -965,6 +1227,7 @@ class SamplingWorkspace:
         ws.stats_i = torch.zeros(6, plane, dtype=i32, device=device)
         ws.cand = torch.zeros(plane * cap, dtype=i64, device=device)
         ws.rcand = torch.zeros(plane * cap, dtype=i64, device=device)
+        ws.pen_scratch = torch.zeros(max(1, plane * 2 * pen_cap), dtype=i32, device=device)
         ws.rand_seeds = torch.zeros(max_batch, dtype=i64, device=device)
         ws.token_ids = torch.zeros(max_batch, dtype=i64, device=device)
         ws.logprob = torch.zeros(max_batch, dtype=f32, device=device)
@@ -1111,6 +1374,7 @@ def _fused_sample_into_impl(
     stats_i: torch.Tensor,
     cand: torch.Tensor,
     rcand: torch.Tensor,
+    pen_scratch: torch.Tensor,
     rand_seeds: torch.Tensor,
     token_ids: torch.Tensor,
     logprob: torch.Tensor,
@@ -1127,6 +1391,8 @@ def _fused_sample_into_impl(
     cap: int,
     chunk_warps: int,
     maxnreg: int,
+    pen_cap: int,
+    pen_rows: int,
 ) -> None:
     """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
     no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES."""
@@ -1183,6 +1449,7 @@ def _fused_sample_into_impl(
         stats_i,
         cand,
         rcand,
+        pen_scratch,
     )
     flags = dict(
         HAS_TEMP=temperature is not None,
@@ -1210,6 +1477,8 @@ def _fused_sample_into_impl(
         CAP=cap,
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
+        PCAP=pen_cap,
+        PEN_ROWS=pen_rows,
         num_warps=chunk_warps or chunk_warps_for(chunk),
         **extra,
         **flags,
@@ -1237,7 +1506,10 @@ def _fused_sample_into_impl(
         TOPN=topn,
         NP=FB_PIVOTS,
         FB_TILE=FB_TILE,
+        KC=SURVIVORS,
         num_warps=4 if nc_pad * cap <= 2048 else 8,
+        # two 8-warp programs per SM (a B=256 batch in one wave; ~30 bytes of spills)
+        **({} if nc_pad * cap <= 2048 else {"maxnreg": COMBINE_MAXNREG}),
         **flags,
     )
 
@@ -1249,6 +1521,7 @@ _fused_sample_into = torch.library.custom_op(
         "stats_i",
         "cand",
         "rcand",
+        "pen_scratch",
         "rand_seeds",
         "token_ids",
         "logprob",
@@ -1326,6 +1599,7 @@ def fused_sample(
         ws.stats_i,
         ws.cand,
         ws.rcand,
+        ws.pen_scratch,
         ws.rand_seeds,
         ws.token_ids,
         ws.logprob,
@@ -1342,6 +1616,8 @@ def fused_sample(
         ws.cap,
         warps,
         maxnreg,
+        ws.pen_cap,
+        ws.pen_rows,
     )
     return SampleOutput(
         token_ids=ws.token_ids[:B],

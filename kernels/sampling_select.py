@@ -208,6 +208,91 @@ def load_row_params(
 
 
 @triton.jit
+def _process(
+    x,
+    tok,
+    rowtok,
+    inb,
+    tlo,
+    thi,
+    slot,
+    V,
+    t_eff,
+    rep,
+    freq,
+    pres,
+    use_pen,
+    nbias,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
+    HAS_TEMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
+):
+    """Bias, penalties and temperature of loaded logits x [R, 4] (tokens tok [R, 4] int32,
+    rowtok [R] = tok[:, 0], a multiple of 4; inb = tok < V; every token of the tile lies in
+    [tlo, thi]). Elementwise: a token gets bit-identical values in every tile shape."""
+    x = x.to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, float("-inf"), x)
+    y = x
+    if HAS_BIAS:
+        # Sparse (token, value) entries of the row's slot, any order: an entry touches at most
+        # one element of the tile, so only entries inside it pay a tile-wide select.
+        for eb in range(0, nbias, BIAS_BLOCK):
+            for j in tl.static_range(BIAS_BLOCK):
+                e = eb + j
+                ok = e < nbias
+                bt = tl.load(btok_ptr + slot * b_stride + e, mask=ok, other=-1)
+                bv = tl.load(bval_ptr + slot * b_stride + e, mask=ok, other=0.0)
+                if ok & (bt >= tlo) & (bt <= thi):
+                    y = tl.where(tok == bt, y + bv, y)
+    if HAS_PEN:
+        if use_pen:
+            # One packed word per 32 tokens and a 4-token row never straddles two: the row's
+            # 4 bits are shifted down once per row, then tested with constant masks.
+            words = rowtok >> 5
+            sh = rowtok & 31
+            wmask = rowtok < V
+            jbit = 1 << tl.arange(0, 4)[None, :]
+            cptr = counts_ptr + slot * counts_stride + tok
+            if HAS_OUT_MASK:
+                # packed output-presence bits: counts are read (whole rows) only where set
+                ow = tl.load(omask_ptr + slot * omask_stride + words, mask=wmask, other=0)
+                orow = (ow >> sh) & 15
+                obit = (orow[:, None] & jbit) != 0
+                cnt = tl.load(cptr, mask=inb & (orow != 0)[:, None], other=0)
+                cnt = tl.where(obit, cnt, 0)
+            else:
+                cnt = tl.load(cptr, mask=inb, other=0)
+                obit = cnt > 0
+            if rep != 1.0:
+                pw = tl.load(pmask_ptr + slot * pmask_stride + words, mask=wmask, other=0)
+                pbit = ((pw >> sh)[:, None] & jbit) != 0
+                # vLLM: scale = r where seen in prompt or output; y *= (y > 0 ? 1/scale : scale)
+                # (y * 1 == y where unseen, so only seen tokens take the product)
+                inv_rep = 1.0 / rep
+                y = tl.where(pbit | obit, y * tl.where(y > 0, inv_rep, rep), y)
+            if freq != 0.0:
+                y = y - freq * cnt.to(tl.float32)
+            if pres != 0.0:
+                y = y - pres * obit.to(tl.float32)
+    z = y
+    if HAS_TEMP:
+        z = y / t_eff
+    return x, z, is_nan
+
+
+@triton.jit
 def process_tile(
     start,
     row,
@@ -246,51 +331,148 @@ def process_tile(
     local = tl.arange(0, Q)[:, None] * 4 + tl.arange(0, 4)[None, :]  # int32; bases are int64
     inb = local < (V - start).to(tl.int32)
     tok = start.to(tl.int32) + local
+    rowtok = start.to(tl.int32) + tl.arange(0, Q) * 4
     x = tl.load(logits_ptr + row * stride_row + start + local, mask=inb, other=float("-inf"))
-    x = x.to(tl.float32)
-    is_nan = x != x
-    x = tl.where(is_nan, float("-inf"), x)
-    y = x
-    if HAS_BIAS:
-        # Sparse (token, value) entries of the row's slot, any order: an entry touches at most
-        # one element of the tile, so only entries inside it pay a tile-wide select.
-        for eb in range(0, nbias, BIAS_BLOCK):
-            for j in tl.static_range(BIAS_BLOCK):
-                e = eb + j
-                ok = e < nbias
-                bt = tl.load(btok_ptr + slot * b_stride + e, mask=ok, other=-1)
-                bv = tl.load(bval_ptr + slot * b_stride + e, mask=ok, other=0.0)
-                bl = bt.to(tl.int64) - start
-                if ok & (bl >= 0) & (bl < Q * 4):
-                    y = tl.where(local == bl.to(tl.int32), y + bv, y)
-    if HAS_PEN:
-        if use_pen:
-            # one packed word per 32 tokens: a 4-token row never straddles two words
-            rtok = start.to(tl.int32) + tl.arange(0, Q) * 4
-            words = rtok >> 5
-            wmask = rtok < V
-            bit = tok & 31
-            cptr = counts_ptr + slot * counts_stride + start + local
-            if HAS_OUT_MASK:
-                # packed output-presence bits: read counts only where a bit is set
-                ow = tl.load(omask_ptr + slot * omask_stride + words, mask=wmask, other=0)
-                obit = ((ow[:, None] >> bit) & 1) != 0
-                cnt = tl.load(cptr, mask=inb & obit, other=0)
-            else:
-                cnt = tl.load(cptr, mask=inb, other=0)
-                obit = cnt > 0
-            if rep != 1.0:
-                pw = tl.load(pmask_ptr + slot * pmask_stride + words, mask=wmask, other=0)
-                pbit = ((pw[:, None] >> bit) & 1) != 0
-                # vLLM: scale = r where seen in prompt or output; y *= (y > 0 ? 1/scale : scale)
-                scale = tl.where(pbit | obit, rep, 1.0)
-                y = y * tl.where(y > 0, 1.0 / scale, scale)
-            y = y - freq * cnt.to(tl.float32)
-            y = y - pres * obit.to(tl.float32)
-    z = y
-    if HAS_TEMP:
-        z = y / t_eff
+    x, z, is_nan = _process(
+        x,
+        tok,
+        rowtok,
+        inb,
+        start.to(tl.int32),
+        start.to(tl.int32) + (4 * Q - 1),
+        slot,
+        V,
+        t_eff,
+        rep,
+        freq,
+        pres,
+        use_pen,
+        nbias,
+        pmask_ptr,
+        pmask_stride,
+        counts_ptr,
+        counts_stride,
+        omask_ptr,
+        omask_stride,
+        btok_ptr,
+        bval_ptr,
+        b_stride,
+        HAS_TEMP,
+        HAS_BIAS,
+        HAS_PEN,
+        HAS_OUT_MASK,
+        BIAS_BLOCK,
+    )
     return tok, x, z, is_nan
+
+
+@triton.jit
+def penalized_rows(
+    start,
+    slot,
+    V,
+    rep,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    Q: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+):
+    """[Q] bool: which 4-token rows from `start` hold a token the row's penalties change (in
+    the output, or in the prompt when the repetition penalty is on). Per row with the packed
+    bits; one (vectorised) read of the counts per token without them."""
+    rowtok = start.to(tl.int32) + tl.arange(0, Q) * 4
+    words = rowtok >> 5
+    sh = rowtok & 31
+    wmask = rowtok < V
+    if HAS_OUT_MASK:
+        ow = tl.load(omask_ptr + slot * omask_stride + words, mask=wmask, other=0)
+        code = (ow >> sh) & 15
+    else:
+        local = tl.arange(0, Q)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        cnt = tl.load(
+            counts_ptr + slot * counts_stride + start + local,
+            mask=local < (V - start).to(tl.int32),
+            other=0,
+        )
+        code = tl.max(cnt, axis=1)  # counts are >= 0: > 0 iff a token of the row is output
+    if rep != 1.0:
+        pw = tl.load(pmask_ptr + slot * pmask_stride + words, mask=wmask, other=0)
+        code = code | ((pw >> sh) & 15)
+    return code != 0
+
+
+@triton.jit
+def process_rows(
+    rowtok,
+    rvalid,
+    tlo,
+    thi,
+    row,
+    slot,
+    logits_ptr,
+    stride_row,
+    V,
+    t_eff,
+    rep,
+    freq,
+    pres,
+    use_pen,
+    nbias,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
+    HAS_TEMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
+):
+    """process_tile over gathered 4-token rows: rowtok [R] int32 (multiples of 4, ascending,
+    in [tlo, thi]), rvalid [R]. Returns tok [R, 4], x [R, 4], z [R, 4]; -inf where invalid."""
+    tok = rowtok[:, None] + tl.arange(0, 4)[None, :]
+    inb = rvalid[:, None] & (tok < V)
+    x = tl.load(logits_ptr + row * stride_row + tok, mask=inb, other=float("-inf"))
+    x, z, _is_nan = _process(
+        x,
+        tok,
+        rowtok,
+        inb,
+        tlo,
+        thi,
+        slot,
+        V,
+        t_eff,
+        rep,
+        freq,
+        pres,
+        use_pen,
+        nbias,
+        pmask_ptr,
+        pmask_stride,
+        counts_ptr,
+        counts_stride,
+        omask_ptr,
+        omask_stride,
+        btok_ptr,
+        bval_ptr,
+        b_stride,
+        HAS_TEMP,
+        HAS_BIAS,
+        HAS_PEN,
+        HAS_OUT_MASK,
+        BIAS_BLOCK,
+    )
+    return tok, x, tl.where(inb, z, float("-inf"))
 
 
 @triton.jit
@@ -303,53 +485,133 @@ def argmax2d(v):
 
 
 @triton.jit
+def _cut_for(v, vmax, lo_cut, LIMIT: tl.constexpr):
+    """Smallest value t = unkey(k) >= lo_cut with at most LIMIT entries of v >= t (bisection on
+    keys; float compares against unkey(k)). v: any shape, -inf = absent."""
+    lo = key(lo_cut).to(tl.int64)
+    hi = key(vmax).to(tl.int64) + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = tl.sum(tl.ravel((v >= unkey(mid.to(tl.int32))).to(tl.int32)), axis=0)
+        if c > LIMIT:
+            lo = mid
+        else:
+            hi = mid
+    return unkey(hi.to(tl.int32))
+
+
+@triton.jit
 def select_candidates(
-    v,
+    qmax,
     vmax,
-    tok,
+    start,
     out_ptr,
+    RAW: tl.constexpr,
+    row,
+    slot,
+    logits_ptr,
+    stride_row,
+    V,
+    t_eff,
+    rep,
+    freq,
+    pres,
+    use_pen,
+    nbias,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
     Q: tl.constexpr,
     CAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
 ):
-    """Store the largest values of a [Q, 4] tile (-inf = absent) and return (count, floor).
+    """Store the largest values of a chunk (rows of 4 tokens from `start`, row maxima qmax [Q],
+    -inf = absent; values are x if RAW else z) and return (count, floor).
 
-    At most CAP values are stored, in token order, each as int64 `fp32 bits << 32 | token`;
-    floor = the largest value left out (-inf if none), so every value > floor is listed.
-    Cut: the smallest of SG super-group maxima, so at least SG values reach it (for iid values
-    about SG * ln(SG + 1) do): SG = CAP/4 unless that overflows CAP, then CAP/8 (simulated on
-    normal chunks of 4096 and 8192 values: 54 and 22 values on average, CAP/8 overflows 64 in
-    ~0.1% of chunks); past that, a bisection on keys raises the cut.
+    At most CAP values are stored at out_ptr, in token order, each as int64
+    `fp32 bits << 32 | token`; floor = the largest value left out (-inf if none), so every
+    value > floor is listed. The cut is chosen on the row maxima alone: the smallest of SG
+    super-group maxima, so at least SG rows reach it (SG = CAP/4 unless more than CAP rows do,
+    then CAP/8; a bisection past that). Only the rows reaching it (at most CAP) are gathered
+    again (L1/L2 hits, the same elementwise processing, so bit-identical values) for the
+    value-level cut and the compaction: the per-value work over the whole chunk is the row
+    maxima, nothing else. out_ptr's CAP slots carry the row indices between the two steps.
     """
     SG_LO: tl.constexpr = min(max(CAP // 4, 1), Q)
     SG_HI: tl.constexpr = max(SG_LO // 2, 1)
-    qmax = tl.max(v, axis=1)  # in-thread maxima of the 4-token rows [Q]
     g_lo = tl.max(tl.reshape(qmax, [SG_LO, Q // SG_LO]), axis=1)
     g_hi = tl.max(tl.reshape(g_lo, [SG_HI, SG_LO // SG_HI]), axis=1)
     # cuts are finite (>= -FLT_MAX), so `v >= cut` never selects an absent value
     c_lo = tl.maximum(tl.min(g_lo, axis=0), -3.4028234663852886e38)
     c_hi = tl.maximum(tl.min(g_hi, axis=0), -3.4028234663852886e38)
-    # rows reaching c_lo bound the values reaching it from below: a cheap first guess
     c0 = tl.where(tl.sum((qmax >= c_lo).to(tl.int32), axis=0) <= CAP, c_lo, c_hi)
+    nr = tl.sum((qmax >= c0).to(tl.int32), axis=0)
+    if nr > CAP:
+        c0 = _cut_for(qmax, vmax, c0, CAP)
+        nr = tl.sum((qmax >= c0).to(tl.int32), axis=0)
+    rsel = qmax >= c0
+    floor_rows = tl.max(tl.where(rsel, float("-inf"), qmax), axis=0)
+    ar = tl.arange(0, Q)
+    rpos = tl.cumsum(rsel.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + rpos, ar.to(tl.int64), mask=rsel)
+    tl.debug_barrier()  # the row indices of every thread before the gather reads them
+    ri = tl.arange(0, CAP)
+    rvalid = ri < nr
+    rrow = tl.load(out_ptr + ri, mask=rvalid, other=0).to(tl.int32)
+    s32 = start.to(tl.int32)
+    tok, x, z = process_rows(
+        s32 + rrow * 4,
+        rvalid,
+        s32,
+        s32 + (4 * Q - 1),
+        row,
+        slot,
+        logits_ptr,
+        stride_row,
+        V,
+        t_eff,
+        rep,
+        freq,
+        pres,
+        use_pen,
+        nbias,
+        pmask_ptr,
+        pmask_stride,
+        counts_ptr,
+        counts_stride,
+        omask_ptr,
+        omask_stride,
+        btok_ptr,
+        bval_ptr,
+        b_stride,
+        HAS_TEMP,
+        HAS_BIAS,
+        HAS_PEN,
+        HAS_OUT_MASK,
+        BIAS_BLOCK,
+    )
+    if RAW:
+        v = tl.where(rvalid[:, None], x, float("-inf"))
+    else:
+        v = z
+    tl.debug_barrier()  # every gather has read its row index before the slots are reused
     cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
     if cnt > CAP:
-        c0 = c_hi
+        c0 = _cut_for(v, vmax, c0, CAP)
         cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
-        if cnt > CAP:
-            # smallest key t with at most CAP values >= t (float compares against unkey(t))
-            lo = key(c0).to(tl.int64)
-            hi = key(vmax).to(tl.int64) + 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                c = tl.sum(tl.sum((v >= unkey(mid.to(tl.int32))).to(tl.int32), axis=1), axis=0)
-                if c > CAP:
-                    lo = mid
-                else:
-                    hi = mid
-            c0 = unkey(hi.to(tl.int32))
-            cnt = tl.sum(tl.sum((v >= c0).to(tl.int32), axis=1), axis=0)
     sel = v >= c0
-    floor = tl.max(tl.max(tl.where(sel, float("-inf"), v), axis=1), axis=0)
-    # compaction in token order: exclusive scan over the 4-token rows + in-row prefix
+    floor = tl.maximum(floor_rows, tl.max(tl.max(tl.where(sel, float("-inf"), v), axis=1), axis=0))
+    # compaction in token order: exclusive scan over the gathered rows + in-row prefix
     si = sel.to(tl.int32)
     rc = tl.sum(si, axis=1)
     pos = (tl.cumsum(rc, axis=0) - rc)[:, None] + tl.cumsum(si, axis=1) - 1
@@ -359,17 +621,37 @@ def select_candidates(
 
 
 @triton.jit
-def search_list(keys, w, target, lo, hi):
+def _add2(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def search_list(keys, w, target, lo, hi, COUNT: tl.constexpr):
     """Largest key t in [lo, hi) with sum(w[keys >= t]) >= target; the caller ensures it holds
-    at lo and fails at hi. fp32 sums of non-negative terms in a fixed order are monotone."""
-    while hi - lo > 1:
+    at lo and fails at hi. fp32 sums of non-negative terms in a fixed order are monotone.
+    COUNT: w is 1 everywhere (the sum is the count).
+
+    Bisection that stops once [lo, hi) holds a single listed key: the answer is that key (the
+    sum only changes at listed keys), so a search takes about log2(range / gap at the answer)
+    steps rather than the 31 of a full key range."""
+    n_lo = tl.sum((keys >= lo).to(tl.int32), axis=0)
+    n_hi = tl.sum((keys >= hi).to(tl.int32), axis=0)
+    while (hi - lo > 1) & (n_lo - n_hi > 1):
         mid = (lo + hi) // 2
-        s = tl.sum(tl.where(keys >= mid, w, 0.0), axis=0)
+        ge = keys >= mid
+        if COUNT:
+            n = tl.sum(ge.to(tl.int32), axis=0)
+            s = n.to(tl.float32)
+        else:
+            s, n = tl.reduce((tl.where(ge, w, 0.0), ge.to(tl.int32)), 0, _add2)
         if s >= target:
             lo = mid
+            n_lo = n
         else:
             hi = mid
-    return lo
+            n_hi = n
+    first = tl.min(tl.where(keys >= lo, keys, 0x7FFFFFFF), axis=0).to(tl.int64)
+    return tl.where(n_lo > n_hi, first, lo)
 
 
 @triton.jit

@@ -68,9 +68,15 @@ AMBIG = 1e-4  # relative margin under which a mismatch is a rounding tie
 ALPHA = 1e-3
 BUDGET_S = 210.0  # the sweep stops here; everything before it is needed
 SWEEP = {  # (chunk, chunk-kernel warps, maxnreg or 0); the rule's own choice is the base row
-    256: [(2048, 4, 128), (4096, 4, 96), (4096, 2, 0), (8192, 8, 128)],
-    32: [(2048, 4, 128), (2048, 2, 0), (4096, 4, 128), (1024, 2, 0)],
-    1: [(2048, 4, 0), (1024, 4, 0), (4096, 4, 0)],
+    256: [(4096, 4, 128), (4096, 8, 0), (2048, 4, 0)],
+    32: [(4096, 8, 0), (1024, 4, 0)],
+    1: [(2048, 4, 0), (2048, 8, 0)],
+}  # fmt: skip
+# With penalties: (chunk or 0 = the rule's, warps or 0, maxnreg or None = the rule's, pen_cap:
+# penalized rows processed apart, 0 = penalties on every value)
+SWEEP_PEN = {
+    256: [(0, 0, None, 128), (0, 0, 128, 0), (0, 0, 128, 128), (2048, 4, 0, 0)],
+    32: [(0, 0, None, 128), (0, 0, 128, 0), (4096, 8, 0, 0)],
 }  # fmt: skip
 
 
@@ -448,45 +454,60 @@ def run_profile(run: Runner, gen) -> None:
 
 
 def run_sweep(run: Runner, gen) -> None:
-    dev = run.device
     for B, V in sorted(CASES, reverse=True):
-        x = make_logits(B, V, gen, dev)
-        prm = make_params(B, V, gen, dev)
-        name = case_name(B, V, False)
-        for chunk, warps, maxnreg in SWEEP[B]:
+        for pen in (False, True):
+            points = SWEEP_PEN.get(B, []) if pen else [(*p, None) for p in SWEEP[B]]
+            if points:
+                sweep_case(run, gen, B, V, pen, points)
             if run.elapsed() > run.budget:
                 run.note(f"sweep stopped at {run.elapsed():.0f} s (budget {run.budget:.0f} s)")
                 return
-            impl = f"fuselane chunk={chunk} warps={warps}" + (
-                f" maxnreg={maxnreg}" if maxnreg else ""
+
+
+def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
+    """Time `fused_sample` at other launch configurations (chunk, warps, register cap, and
+    for penalties the penalized-row cap) than the rule's, each checked first."""
+    dev = run.device
+    x = make_logits(B, V, gen, dev)
+    prm = make_params(B, V, gen, dev, pen=pen)
+    name = case_name(B, V, pen)
+    rule_chunk, rule_warps, rule_nreg = smp.pick_launch(B, V)
+    for chunk, warps, maxnreg, pen_cap in points:
+        if run.elapsed() > run.budget:
+            return
+        chunk, warps = chunk or rule_chunk, warps or rule_warps
+        maxnreg = rule_nreg if maxnreg is None else maxnreg
+        impl = f"fuselane chunk={chunk} warps={warps}" + (f" maxnreg={maxnreg}" if maxnreg else "")
+        if pen_cap is not None:
+            impl += f" pen_cap={pen_cap}"
+        try:
+            ws = smp.SamplingWorkspace.allocate(
+                B,
+                V,
+                dev,
+                max_logprobs=5,
+                chunk=chunk,
+                chunk_warps=warps,
+                maxnreg=maxnreg or None,
+                pen_cap=smp.PCAP if pen_cap is None else pen_cap,
             )
-            try:
-                ws = smp.SamplingWorkspace.allocate(
-                    B,
-                    V,
-                    dev,
-                    max_logprobs=5,
-                    chunk=chunk,
-                    chunk_warps=warps,
-                    maxnreg=maxnreg or None,
-                )
-                ok, summary, info = compare(x, prm, ws, num_logprobs=None)
-                if not ok:
-                    run.line(f"sweep {name} {impl}", ok, summary)
-                    continue
-                run.time(
-                    "sweep",
-                    name,
-                    impl,
-                    lambda ws=ws, x=x, prm=prm: smp.fused_sample(
-                        x, prm, workspace=ws, num_logprobs=None
-                    ),
-                    nbytes=x.numel() * 4,
-                    extra={"fallback_rows_in_check": info["fallback_rows"]},
-                )
-            except Exception as e:  # noqa: BLE001 - keep the other configurations
-                run.note(f"sweep {name} {impl}: {e!r}")
-                torch.cuda.synchronize()
+            ok, summary, info = compare(x, prm, ws, num_logprobs=None)
+            if not ok:
+                run.line(f"sweep {name} {impl}", ok, summary)
+                continue
+            run.time(
+                "sweep",
+                name,
+                impl,
+                lambda ws=ws, x=x, prm=prm: smp.fused_sample(
+                    x, prm, workspace=ws, num_logprobs=None
+                ),
+                nbytes=x.numel() * 4,
+                extra={"fallback_rows_in_check": info["fallback_rows"]},
+            )
+        except Exception as e:  # noqa: BLE001 - keep the other configurations
+            run.note(f"sweep {name} {impl}: {e!r}")
+            torch.cuda.synchronize()
 
 
 def goals(report, base_ms: dict) -> list[str]:
