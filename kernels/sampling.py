@@ -36,15 +36,20 @@ Algorithm (two launches):
 * `_sample_chunk_kernel`, grid (chunks, B): one program reads CHUNK logits of one row once, keeps
   them in registers, applies bias/penalties/temperature, and writes per-chunk partials: max and
   sum of exp (softmax normaliser), finite and NaN counts, and a candidate list: the chunk's
-  largest values (at most CAP, cut at the smallest of 16 (or 8) super-group maxima, no sort)
-  with the largest value it left out ("floor": every value above it is listed). Rows without
-  any truncation draw here directly (Gumbel argmax per chunk).
-* `_sample_combine_kernel`, grid (B,): merges the partials of a row. Thresholds are found by
-  bisection on order-preserving int32 keys of the candidate values (counts for top-k, exp
-  masses for top-p); the result is exact whenever the threshold lies above every chunk's floor,
-  which the kernel checks. Otherwise (very flat rows, k far above CAP, massive ties) the same
-  program runs an exact fallback: 16-way key search with passes over the row, then a draw pass.
-  `fallback_rows` reports which rows took it.
+  largest values (at most CAP, in token order) with the largest value it left out ("floor":
+  every value above it is listed). The cut is chosen on the maxima of 4-token rows (the
+  smallest of 16, or 8, super-group maxima; no sort), and only the rows reaching it are
+  gathered again (cache hits, the same elementwise processing) for the exact cut and the
+  compaction, so the whole chunk pays for the row maxima alone. Rows without any truncation
+  draw here directly (Gumbel argmax per chunk).
+* `_sample_combine_kernel`, grid (B,): merges the partials of a row. Thresholds are int32
+  order-preserving keys: top-k by a bisection over the candidate list that stops once one listed
+  key is left in its bracket; then the top-k / min-p survivors (at most 64) are gathered, and
+  top-p (each survivor's mass at or above it, against p times theirs) and the draw run over
+  them; without top-k / min-p, top-p searches the list by mass. Exact whenever the threshold
+  lies above every chunk's floor, which the kernel checks. Otherwise (very flat rows, k far
+  above CAP, massive ties) the same program runs an exact fallback: 16-way key search with
+  passes over the row, then a draw pass. `fallback_rows` reports which rows took it.
 
 NaN policy: NaN logits are never sampled and never enter a normaliser; `nan_rows[b]` counts them
 (device tensor, no host sync). The plugin should treat nan_rows > 0 as a model error for that
@@ -83,8 +88,6 @@ from .sampling_select import (
     gumbel,
     key,
     load_row_params,
-    penalized_rows,
-    process_rows,
     process_tile,
     row_search,
     search_list,
@@ -107,22 +110,24 @@ _MODE_CODE = {
 MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
 
-# Launch configuration, measured on an H200 (2026-11-22, benchmarks/kernels/bench_sampling.py
-# --tune, T=0.7 k=50 p=0.9, fp32 logits; us for (chunk, chunk-kernel warps, register cap)):
-# B=1 V=128256 (4096, 8) 30.3, (2048, 4) 30.8, (4096, 4) 31.7, (8192, 16) 35.6; B=32 (2048, 4)
-# 43.0, (4096, 8) 46.6, (8192, 8) 52.0; B=256 V=151936 (4096, 4, cap 128) 173.7, (8192, 8, cap
-# 128) 194.6, (4096, 8) 197.6, (2048, 4) 197.9, (4096, 4) 213.3, (8192, 16) 258.5. A chunk lives
-# in registers (8 to 16 fp32 values per thread); at large grids the 128-register cap lets four
-# 4-warp programs share an SM (16 warps of loads in flight instead of 8) without spills.
-# So: a grid of at most one program per SM keeps whole 4096-chunks at 8 warps (B=1: 32
-# programs); up to SMALL_CHUNK_PROGRAMS programs use 2048-chunks at 4 warps; larger grids
-# 4096-chunks, 4 warps, 128 registers.
+# Launch configuration, measured on an H100 (2026-11-25, benchmarks/kernels/bench_sampling.py
+# sweep, T=0.7 k=50 p=0.9, fp32 logits; us for (chunk, chunk-kernel warps, register cap)):
+# B=1 V=128256 (4096, 8) 23.0, (2048, 4) 23.3, (2048, 8) 24.5, (1024, 4) 25.2, (8192, 16) 27.5;
+# B=32 (2048, 4) 34.2, (4096, 8) 35.1, (2048, 8) 41.9, (1024, 4) 43.0; B=256 V=151936
+# (4096, 4) 126.2, (4096, 4, cap 128) 135.5, (2048, 4) 144.5, (8192, 8) 150.5, (4096, 8)
+# 156.0; B=256 with penalties + min-p (4096, 4, cap 128) 211.0, (4096, 4) 247.9, (2048, 4)
+# 247.8. The chunk kernel keeps a chunk in registers (119 registers at 4 warps, four programs
+# per SM); the penalties push it to 167 (three per SM) unless capped at 128 (four per SM,
+# 16 bytes of spills), which wins. So: a grid of at most one program per SM keeps whole
+# 4096-chunks at 8 warps (B=1: 32 programs); up to SMALL_CHUNK_PROGRAMS programs use
+# 2048-chunks at 4 warps; larger grids 4096-chunks at 4 warps, capped at 128 registers when
+# penalties are on.
 CHUNK_SMALL = 2048
 CHUNK_LARGE = 4096
 ONE_WAVE_PROGRAMS = 132
 SMALL_CHUNK_PROGRAMS = 2048
 LARGE_GRID_WARPS = 4
-LARGE_GRID_MAXNREG = 0
+LARGE_GRID_MAXNREG_PEN = 128
 MIN_CHUNK = 128
 COMBINE_MAXNREG = 128
 CAP = 64  # candidates kept per chunk; rows whose kept set does not fit take the exact fallback
@@ -130,13 +135,6 @@ FB_TILE = 256  # fallback pass tile (elements)
 SURVIVORS = 64  # top-k / min-p survivors gathered for top-p and the draw (else list searches)
 FB_PIVOTS = 16  # fallback key search: pivots per pass (4 bits of the key per pass)
 BIAS_BLOCK = 16  # logit-bias entries loaded per step
-# Penalties, measured on an H100 (2026-11-25, bench_sampling.py, 2000 prompt + 256 output ids
-# among 151936, B=256): applied to every value (PCAP 0) vs the penalized 4-token rows of a chunk
-# processed apart (gathered PEN_ROWS per step, at most PEN_CAP_MAX rows; ~60 of a 4096-chunk's
-# 1024 here): see PCAP's measurement note in .notes/sampling.md.
-PCAP = 0
-PEN_CAP_MAX = 128
-PEN_ROWS = 64
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
@@ -185,7 +183,6 @@ def _sample_chunk_kernel(
     sti_ptr,
     cand_ptr,
     rcand_ptr,
-    pscr_ptr,
     CHUNK: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
@@ -205,8 +202,6 @@ def _sample_chunk_kernel(
     NEED_RAW: tl.constexpr,
     RAW_CANDS: tl.constexpr,
     BIAS_BLOCK: tl.constexpr,
-    PCAP: tl.constexpr,
-    PEN_ROWS: tl.constexpr,
 ):
     """Per-chunk partials. Grid (NC, B); program (c, b) reads logits[b, c*CHUNK:(c+1)*CHUNK]
     once (logits: [B, V] fp32/bf16/fp16, stride 1 in V; parameters as in fused_sample).
@@ -266,11 +261,6 @@ def _sample_chunk_kernel(
     )
     start = c.to(tl.int64) * CHUNK
     idx = row * NC + c
-    # Penalties: applied to every value in this pass (PCAP = 0), or (PCAP > 0) the chunk is
-    # processed without them, the 4-token rows holding a penalized token (prompt / output ids)
-    # are masked out of it and processed again, gathered (at most PCAP rows; past that the
-    # whole chunk is processed again with them).
-    SPARSE_PEN: tl.constexpr = HAS_PEN and PCAP > 0
     _tok, x, z, is_nan = process_tile(
         start,
         row,
@@ -296,64 +286,10 @@ def _sample_chunk_kernel(
         Q,
         HAS_TEMP,
         HAS_BIAS,
-        HAS_PEN and not SPARSE_PEN,
+        HAS_PEN,
         HAS_OUT_MASK,
         BIAS_BLOCK,
     )
-    npen = tl.full((), 0, tl.int32)
-    pen = tl.zeros([Q], dtype=tl.int1)
-    # -inf before the masking (penalties keep finite values finite)
-    has_ninf = tl.min(tl.min(z, axis=1), axis=0) == float("-inf")
-    if SPARSE_PEN:
-        if use_pen:
-            pen = penalized_rows(
-                start,
-                slot,
-                V,
-                rep,
-                pmask_ptr,
-                pmask_stride,
-                counts_ptr,
-                counts_stride,
-                omask_ptr,
-                omask_stride,
-                Q,
-                HAS_OUT_MASK,
-            )
-            npen = tl.sum(pen.to(tl.int32), axis=0)
-            if npen > PCAP:
-                _t, _x, z, _n = process_tile(
-                    start,
-                    row,
-                    slot,
-                    logits_ptr,
-                    stride_row,
-                    V,
-                    t_eff,
-                    rep,
-                    freq,
-                    pres,
-                    use_pen,
-                    nbias,
-                    pmask_ptr,
-                    pmask_stride,
-                    counts_ptr,
-                    counts_stride,
-                    omask_ptr,
-                    omask_stride,
-                    btok_ptr,
-                    bval_ptr,
-                    b_stride,
-                    Q,
-                    HAS_TEMP,
-                    HAS_BIAS,
-                    True,
-                    HAS_OUT_MASK,
-                    BIAS_BLOCK,
-                )
-                npen = 0
-            else:
-                z = tl.where(pen[:, None], float("-inf"), z)
     qmax = tl.max(z, axis=1)  # in-thread maxima of the 4-token rows [Q]
     zmax = tl.max(qmax, axis=0)
     # sum exp(z - zmax) = sum 2^(z*log2e - zmax*log2e); -inf values give 0
@@ -363,79 +299,9 @@ def _sample_chunk_kernel(
     # so only chunks holding one (the row's last, masked ones) count value by value.
     n_fin = tl.full((), 4 * Q, tl.int32)
     n_nan = tl.full((), 0, tl.int32)
-    if has_ninf:
+    if tl.min(tl.min(z, axis=1), axis=0) == float("-inf"):
         n_fin = tl.sum(tl.sum((z > float("-inf")).to(tl.int32), axis=1), axis=0)
         n_nan = tl.sum(tl.sum(is_nan.to(tl.int32), axis=1), axis=0)
-    if SPARSE_PEN:
-        if npen > 0:
-            # the masked rows: their statistics merged as the combine merges chunks, their
-            # row maxima put back for the candidate cut
-            s32 = start.to(tl.int32)
-            prow_ptr = pscr_ptr + idx * (2 * PCAP)
-            pq_ptr = prow_ptr + PCAP
-            ppos = tl.cumsum(pen.to(tl.int32), axis=0) - 1
-            tl.store(prow_ptr + ppos, tl.arange(0, Q), mask=pen)
-            tl.debug_barrier()  # the row list of every thread before the gathers read it
-            mp = tl.full((), float("-inf"), tl.float32)
-            sp = tl.full((), 0.0, tl.float32)
-            for p0 in range(0, npen, PEN_ROWS):
-                pi = p0 + tl.arange(0, PEN_ROWS)
-                pv = pi < npen
-                prow = tl.load(prow_ptr + pi, mask=pv, other=0)
-                _pt, _px, zp = process_rows(
-                    s32 + prow * 4,
-                    pv,
-                    s32,
-                    s32 + (4 * Q - 1),
-                    row,
-                    slot,
-                    logits_ptr,
-                    stride_row,
-                    V,
-                    t_eff,
-                    rep,
-                    freq,
-                    pres,
-                    use_pen,
-                    nbias,
-                    pmask_ptr,
-                    pmask_stride,
-                    counts_ptr,
-                    counts_stride,
-                    omask_ptr,
-                    omask_stride,
-                    btok_ptr,
-                    bval_ptr,
-                    b_stride,
-                    HAS_TEMP,
-                    HAS_BIAS,
-                    True,
-                    HAS_OUT_MASK,
-                    BIAS_BLOCK,
-                )
-                qp = tl.max(zp, axis=1)
-                m_new = tl.maximum(mp, tl.max(qp, axis=0))
-                part = tl.sum(tl.sum(tl.exp2(zp * _LOG2E - m_new * _LOG2E), axis=1), axis=0)
-                sp = tl.where(
-                    m_new > float("-inf"),
-                    tl.where(mp > float("-inf"), sp * tl.exp2((mp - m_new) * _LOG2E), 0.0) + part,
-                    0.0,
-                )
-                mp = m_new
-                if has_ninf:  # else every value of the chunk is finite: n_fin is right
-                    n_fin += tl.sum(tl.sum((zp > float("-inf")).to(tl.int32), axis=1), axis=0)
-                tl.store(pq_ptr + pi, qp.to(tl.int32, bitcast=True), mask=pv)
-            tl.debug_barrier()  # every gathered row maximum before the rows read them back
-            m2 = tl.maximum(zmax, mp)
-            zsum = tl.where(
-                m2 > float("-inf"),
-                tl.where(zmax > float("-inf"), zsum * tl.exp2((zmax - m2) * _LOG2E), 0.0)
-                + tl.where(mp > float("-inf"), sp * tl.exp2((mp - m2) * _LOG2E), 0.0),
-                0.0,
-            )
-            zmax = m2
-            qback = tl.load(pq_ptr + ppos, mask=pen, other=0).to(tl.float32, bitcast=True)
-            qmax = tl.where(pen, qback, qmax)
     cnt, floor = select_candidates(
         qmax,
         zmax,
@@ -610,7 +476,6 @@ def _sample_combine_kernel(
     sti_ptr,
     cand_ptr,
     rcand_ptr,
-    pscr_ptr,
     out_tok_ptr,
     out_lp_ptr,
     out_ids_ptr,
@@ -1145,11 +1010,12 @@ def chunk_warps_for(chunk: int) -> int:
     return max(1, min(16, chunk // 512))
 
 
-def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
+def pick_launch(batch: int, vocab: int, *, penalties: bool = False) -> tuple[int, int, int]:
     """(chunk, chunk-kernel warps, register cap or 0) for a batch (see the launch-configuration
     note): one chunk for small vocabularies; whole 4096-chunks at 8 warps while the grid is
     within one program per SM; 2048-chunks at 4 warps up to SMALL_CHUNK_PROGRAMS programs;
-    else 4096-chunks, 4 warps, 128 registers."""
+    else 4096-chunks at 4 warps, with a 128-register cap when penalties are on. The chunk
+    does not depend on `penalties`."""
     if vocab <= CHUNK_LARGE:
         chunk = max(MIN_CHUNK, _next_pow2(vocab))
         return chunk, chunk_warps_for(chunk), 0
@@ -1157,7 +1023,7 @@ def pick_launch(batch: int, vocab: int) -> tuple[int, int, int]:
         return CHUNK_LARGE, 8, 0
     if batch * cdiv(vocab, CHUNK_SMALL) <= SMALL_CHUNK_PROGRAMS:
         return CHUNK_SMALL, 4, 0
-    return CHUNK_LARGE, LARGE_GRID_WARPS, LARGE_GRID_MAXNREG
+    return CHUNK_LARGE, LARGE_GRID_WARPS, LARGE_GRID_MAXNREG_PEN if penalties else 0
 
 
 def pick_chunk(batch: int, vocab: int) -> int:
@@ -1187,14 +1053,10 @@ class SamplingWorkspace:
         cap: int = CAP,
         chunk_warps: int | None = None,
         maxnreg: int | None = None,
-        pen_cap: int = PCAP,
-        pen_rows: int = PEN_ROWS,
     ) -> SamplingWorkspace:
         """chunk, cap, chunk_warps (warps of the chunk kernel) and maxnreg (its register cap;
         both apply only with chunk) override the launch rule: tests use tiny chunk/cap to
-        exercise every path, the benchmark's --sweep times alternatives. pen_cap (at most
-        PEN_CAP_MAX; 0 = penalties on every value) and pen_rows: penalized rows a chunk processes
-        apart, and per gather step."""
+        exercise every path, the benchmark's --sweep times alternatives."""
         if max_batch < 1 or vocab < 1:
             raise ValueError(f"max_batch and vocab: expected >= 1, got {max_batch}, {vocab}")
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
@@ -1205,16 +1067,11 @@ class SamplingWorkspace:
             raise ValueError(f"chunk: expected a power of two >= {MIN_CHUNK}, got {chunk}")
         if cap < 2 or cap & (cap - 1):
             raise ValueError(f"cap: expected a power of two >= 2, got {cap}")
-        if not 0 <= pen_cap <= PEN_CAP_MAX:
-            raise ValueError(f"pen_cap: expected a value in [0, {PEN_CAP_MAX}], got {pen_cap}")
-        if pen_rows < 1 or pen_rows & (pen_rows - 1):
-            raise ValueError(f"pen_rows: expected a power of two >= 1, got {pen_rows}")
         ws = cls()
         device = torch.device(device)
         ws.device, ws.max_batch, ws.vocab = device, max_batch, vocab
         ws.max_logprobs, ws.chunk, ws.cap = max_logprobs, chunk, cap
         ws.chunk_warps, ws.maxnreg = chunk_warps or 0, maxnreg or 0
-        ws.pen_cap, ws.pen_rows = pen_cap, pen_rows
         # Planes hold one entry per (row, chunk); size for the largest grid of any batch size.
         if chunk is not None:
             plane = max_batch * cdiv(vocab, chunk)
@@ -1227,7 +1084,6 @@ class SamplingWorkspace:
         ws.stats_i = torch.zeros(6, plane, dtype=i32, device=device)
         ws.cand = torch.zeros(plane * cap, dtype=i64, device=device)
         ws.rcand = torch.zeros(plane * cap, dtype=i64, device=device)
-        ws.pen_scratch = torch.zeros(max(1, plane * 2 * pen_cap), dtype=i32, device=device)
         ws.rand_seeds = torch.zeros(max_batch, dtype=i64, device=device)
         ws.token_ids = torch.zeros(max_batch, dtype=i64, device=device)
         ws.logprob = torch.zeros(max_batch, dtype=f32, device=device)
@@ -1374,7 +1230,6 @@ def _fused_sample_into_impl(
     stats_i: torch.Tensor,
     cand: torch.Tensor,
     rcand: torch.Tensor,
-    pen_scratch: torch.Tensor,
     rand_seeds: torch.Tensor,
     token_ids: torch.Tensor,
     logprob: torch.Tensor,
@@ -1391,8 +1246,6 @@ def _fused_sample_into_impl(
     cap: int,
     chunk_warps: int,
     maxnreg: int,
-    pen_cap: int,
-    pen_rows: int,
 ) -> None:
     """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
     no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES."""
@@ -1449,7 +1302,6 @@ def _fused_sample_into_impl(
         stats_i,
         cand,
         rcand,
-        pen_scratch,
     )
     flags = dict(
         HAS_TEMP=temperature is not None,
@@ -1477,8 +1329,6 @@ def _fused_sample_into_impl(
         CAP=cap,
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
-        PCAP=pen_cap,
-        PEN_ROWS=pen_rows,
         num_warps=chunk_warps or chunk_warps_for(chunk),
         **extra,
         **flags,
@@ -1521,7 +1371,6 @@ _fused_sample_into = torch.library.custom_op(
         "stats_i",
         "cand",
         "rcand",
-        "pen_scratch",
         "rand_seeds",
         "token_ids",
         "logprob",
@@ -1570,7 +1419,7 @@ def fused_sample(
         )
     if n > ws.max_logprobs:
         raise ValueError(f"num_logprobs: workspace allows up to {ws.max_logprobs}, got {n}")
-    chunk, warps, maxnreg = pick_launch(B, V)
+    chunk, warps, maxnreg = pick_launch(B, V, penalties=params.has_penalties)
     if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
         chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
@@ -1599,7 +1448,6 @@ def fused_sample(
         ws.stats_i,
         ws.cand,
         ws.rcand,
-        ws.pen_scratch,
         ws.rand_seeds,
         ws.token_ids,
         ws.logprob,
@@ -1616,8 +1464,6 @@ def fused_sample(
         ws.cap,
         warps,
         maxnreg,
-        ws.pen_cap,
-        ws.pen_rows,
     )
     return SampleOutput(
         token_ids=ws.token_ids[:B],

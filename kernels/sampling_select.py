@@ -367,45 +367,6 @@ def process_tile(
 
 
 @triton.jit
-def penalized_rows(
-    start,
-    slot,
-    V,
-    rep,
-    pmask_ptr,
-    pmask_stride,
-    counts_ptr,
-    counts_stride,
-    omask_ptr,
-    omask_stride,
-    Q: tl.constexpr,
-    HAS_OUT_MASK: tl.constexpr,
-):
-    """[Q] bool: which 4-token rows from `start` hold a token the row's penalties change (in
-    the output, or in the prompt when the repetition penalty is on). Per row with the packed
-    bits; one (vectorised) read of the counts per token without them."""
-    rowtok = start.to(tl.int32) + tl.arange(0, Q) * 4
-    words = rowtok >> 5
-    sh = rowtok & 31
-    wmask = rowtok < V
-    if HAS_OUT_MASK:
-        ow = tl.load(omask_ptr + slot * omask_stride + words, mask=wmask, other=0)
-        code = (ow >> sh) & 15
-    else:
-        local = tl.arange(0, Q)[:, None] * 4 + tl.arange(0, 4)[None, :]
-        cnt = tl.load(
-            counts_ptr + slot * counts_stride + start + local,
-            mask=local < (V - start).to(tl.int32),
-            other=0,
-        )
-        code = tl.max(cnt, axis=1)  # counts are >= 0: > 0 iff a token of the row is output
-    if rep != 1.0:
-        pw = tl.load(pmask_ptr + slot * pmask_stride + words, mask=wmask, other=0)
-        code = code | ((pw >> sh) & 15)
-    return code != 0
-
-
-@triton.jit
 def process_rows(
     rowtok,
     rvalid,

@@ -67,16 +67,14 @@ PROMPT_LEN, OUTPUT_LEN = 2000, 256
 AMBIG = 1e-4  # relative margin under which a mismatch is a rounding tie
 ALPHA = 1e-3
 BUDGET_S = 210.0  # the sweep stops here; everything before it is needed
-SWEEP = {  # (chunk, chunk-kernel warps, maxnreg or 0); the rule's own choice is the base row
+SWEEP = {  # (chunk or 0 = the rule's, warps or 0, maxnreg or None = the rule's); base cases
     256: [(4096, 4, 128), (4096, 8, 0), (2048, 4, 0)],
     32: [(4096, 8, 0), (1024, 4, 0)],
     1: [(2048, 4, 0), (2048, 8, 0)],
 }  # fmt: skip
-# With penalties: (chunk or 0 = the rule's, warps or 0, maxnreg or None = the rule's, pen_cap:
-# penalized rows processed apart, 0 = penalties on every value)
-SWEEP_PEN = {
-    256: [(0, 0, None, 128), (0, 0, 128, 0), (0, 0, 128, 128), (2048, 4, 0, 0)],
-    32: [(0, 0, None, 128), (0, 0, 128, 0), (4096, 8, 0, 0)],
+SWEEP_PEN = {  # the same with penalties and min-p
+    256: [(0, 0, 0), (2048, 4, 128), (4096, 8, 128)],
+    32: [(0, 0, 128), (4096, 8, 0)],
 }  # fmt: skip
 
 
@@ -456,7 +454,7 @@ def run_profile(run: Runner, gen) -> None:
 def run_sweep(run: Runner, gen) -> None:
     for B, V in sorted(CASES, reverse=True):
         for pen in (False, True):
-            points = SWEEP_PEN.get(B, []) if pen else [(*p, None) for p in SWEEP[B]]
+            points = SWEEP_PEN.get(B, []) if pen else SWEEP[B]
             if points:
                 sweep_case(run, gen, B, V, pen, points)
             if run.elapsed() > run.budget:
@@ -465,21 +463,19 @@ def run_sweep(run: Runner, gen) -> None:
 
 
 def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
-    """Time `fused_sample` at other launch configurations (chunk, warps, register cap, and
-    for penalties the penalized-row cap) than the rule's, each checked first."""
+    """Time `fused_sample` at other launch configurations (chunk, warps, register cap) than
+    the rule's, each checked first."""
     dev = run.device
     x = make_logits(B, V, gen, dev)
     prm = make_params(B, V, gen, dev, pen=pen)
     name = case_name(B, V, pen)
-    rule_chunk, rule_warps, rule_nreg = smp.pick_launch(B, V)
-    for chunk, warps, maxnreg, pen_cap in points:
+    rule_chunk, rule_warps, rule_nreg = smp.pick_launch(B, V, penalties=pen)
+    for chunk, warps, maxnreg in points:
         if run.elapsed() > run.budget:
             return
         chunk, warps = chunk or rule_chunk, warps or rule_warps
         maxnreg = rule_nreg if maxnreg is None else maxnreg
         impl = f"fuselane chunk={chunk} warps={warps}" + (f" maxnreg={maxnreg}" if maxnreg else "")
-        if pen_cap is not None:
-            impl += f" pen_cap={pen_cap}"
         try:
             ws = smp.SamplingWorkspace.allocate(
                 B,
@@ -489,7 +485,6 @@ def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
                 chunk=chunk,
                 chunk_warps=warps,
                 maxnreg=maxnreg or None,
-                pen_cap=smp.PCAP if pen_cap is None else pen_cap,
             )
             ok, summary, info = compare(x, prm, ws, num_logprobs=None)
             if not ok:

@@ -272,29 +272,17 @@ def test_penalty_helpers_roundtrip():
     assert torch.equal(unpack_bin_mask(om, V), oc > 0)
 
 
-@pytest.mark.parametrize(
-    "with_out_mask, pen_cap, pen_rows",
-    [
-        (True, 0, 64),
-        (False, 0, 64),
-        (True, smp.PEN_CAP_MAX, smp.PEN_ROWS),
-        (False, 40, 8),
-    ],
-)
-def test_penalties_and_bias_values(with_out_mask, pen_cap, pen_rows):
+@pytest.mark.parametrize("with_out_mask", [True, False])
+def test_penalties_and_bias_values(with_out_mask):
     """Processed values (processed_logits of the top 8 and the chosen token) vs the reference;
-    rows map to state slots through state_slots; bias lists in V2's padded per-slot form.
-    pen_cap/pen_rows: every value processed with the penalties (cap 0), or the penalized rows
-    processed apart in one or several gathers per chunk (chunks over the cap: processed again
-    as a whole)."""
+    rows map to state slots through state_slots; bias lists in V2's padded per-slot form."""
     B, V, S = 4, 3000, 6
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, V, (S, 50), generator=g)
     outs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (0, 12, 40, 3, 7, 100)]
     x = _logits(B, V, seed=9)
     top = x.argsort(-1, descending=True)[:, :6]
-    # rows 1 and 2 (slots 3, 5) have their largest logits among their output tokens: the
-    # penalized rows of a chunk then hold its maximum
+    # rows 1 and 2 (slots 3, 5) have their largest logits among their output tokens
     outs[3] += [int(top[1, 0])] * 2
     outs[5] += [int(top[2, 0]), int(top[2, 2])]
     pm, oc, om = penalty_state_from_v1(prompts, outs, V)
@@ -320,11 +308,11 @@ def test_penalties_and_bias_values(with_out_mask, pen_cap, pen_rows):
         logit_bias_values=vals,
         top_k=torch.tensor([0, 20, 0, 5], dtype=torch.int32),
     )
-    ws = _ws(B, V, chunk=1024, pen_cap=pen_cap, pen_rows=pen_rows)
+    ws = _ws(B, V, chunk=1024)
     out, _ = _check(x, prm, ws=ws, num_logprobs=8, mode="processed_logits")
     assert out.token_ids[0] == 17  # greedy row 0 uses slot 1: bias +40 on token 17
-    # normalised: the penalized rows' share of each chunk's maximum and mass
-    # (row 1 untruncated: the chunks' normalisers; row 2 top-p alone: cut by that mass)
+    # normalised, with the penalized maxima: row 1 untruncated (the chunks' normalisers), row 2
+    # top-p alone (cut by that mass)
     prm.top_k = torch.tensor([0, 0, 0, 5], dtype=torch.int32)
     prm.top_p = torch.tensor([1.0, 1.0, 0.7, 0.95])
     prm.min_p = torch.tensor([0.0, 0.0, 0.0, 0.1])
@@ -332,29 +320,6 @@ def test_penalties_and_bias_values(with_out_mask, pen_cap, pen_rows):
     # the reference's building blocks agree with a direct computation on one row
     y = apply_penalties_reference(apply_bias_reference(x.clone(), prm), prm)
     assert y[0, int(top[0, 0])] == float("-inf") and y[0, 17] > x[0].max()
-
-
-def test_penalized_rows_merged_over_many_gathers():
-    """Flat logits (mass spread over the chunk) with a third of the rows penalized, gathered 8
-    rows at a time: every step's running maximum and mass must merge exactly."""
-    B, V = 3, 1024
-    g = torch.Generator().manual_seed(11)
-    prompts = torch.randint(0, V, (B, 100), generator=g)
-    pm, oc, om = penalty_state_from_v1(prompts, [[3, 3, 900], [], [5]], V)
-    x = _logits(B, V, seed=12, scale=0.5)
-    prm = _params(
-        B,
-        temperature=torch.tensor([1.0, 0.0, 0.8]),
-        repetition_penalty=torch.tensor([1.3, 0.8, 1.5]),
-        frequency_penalty=torch.tensor([0.1, 0.0, 0.0]),
-        presence_penalty=torch.tensor([0.0, 0.2, 0.3]),
-        prompt_bin_mask=pm,
-        output_bin_counts=oc,
-        output_bin_mask=om,
-        top_p=torch.tensor([1.0, 1.0, 0.5]),
-    )
-    ws = _ws(B, V, chunk=1024, pen_cap=smp.PEN_CAP_MAX, pen_rows=8)
-    _check(x, prm, ws=ws, num_logprobs=8, mode="processed_logprobs")
 
 
 # ------------------------------------------------------------------------------ seeds, RNG
