@@ -73,7 +73,7 @@ SWEEP = {  # (chunk or 0 = the rule's, warps or 0, maxnreg or None = the rule's)
     1: [(2048, 4, 0), (2048, 8, 0)],
 }  # fmt: skip
 SWEEP_PEN = {  # the same with penalties and min-p
-    256: [(0, 0, 0), (2048, 4, 128), (4096, 8, 128)],
+    256: [(0, 0, 0), (2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (8192, 8, 0)],
     32: [(0, 0, 128), (4096, 8, 0)],
 }  # fmt: skip
 
