@@ -85,6 +85,7 @@ from .sampling_select import (
     LOG2E,
     SAMPLING_EPS,
     argmax2d,
+    finite_count,
     gumbel,
     key,
     load_row_params,
@@ -110,18 +111,17 @@ _MODE_CODE = {
 MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
 
-# Launch configuration, measured on an H100 (2026-11-25, benchmarks/kernels/bench_sampling.py
-# sweep, T=0.7 k=50 p=0.9, fp32 logits; us for (chunk, chunk-kernel warps, register cap)):
-# B=1 V=128256 (4096, 8) 23.0, (2048, 4) 23.3, (2048, 8) 24.5, (1024, 4) 25.2, (8192, 16) 27.5;
-# B=32 (2048, 4) 34.2, (4096, 8) 35.1, (2048, 8) 41.9, (1024, 4) 43.0; B=256 V=151936
-# (4096, 4) 126.2, (4096, 4, cap 128) 135.5, (2048, 4) 144.5, (8192, 8) 150.5, (4096, 8)
-# 156.0; B=256 with penalties + min-p (4096, 4, cap 128) 211.0, (4096, 4) 247.9, (2048, 4)
-# 247.8. The chunk kernel keeps a chunk in registers (119 registers at 4 warps, four programs
-# per SM); the penalties push it to 167 (three per SM) unless capped at 128 (four per SM,
-# 16 bytes of spills), which wins. So: a grid of at most one program per SM keeps whole
-# 4096-chunks at 8 warps (B=1: 32 programs); up to SMALL_CHUNK_PROGRAMS programs use
-# 2048-chunks at 4 warps; larger grids 4096-chunks at 4 warps, capped at 128 registers when
-# penalties are on.
+# Launch configuration, measured on an H100 (benchmarks/results/
+# sampling-h100-80gb-hbm3-2026-11-25-sweep.json, T=0.7 k=50 p=0.9, fp32 logits; us for
+# (chunk, chunk-kernel warps, register cap)): B=1 V=128256 (4096, 8) 23.4, (2048, 4) 23.7,
+# (2048, 8) 24.7; B=32 (2048, 4) 34.4, (4096, 8) 35.5, (1024, 4) 43.0; B=256 V=151936
+# (4096, 4) 128.2, (4096, 4, cap 128) 135.9, (2048, 4) 145.8, (4096, 8) 157.6; B=256 with
+# penalties + min-p (4096, 4, cap 128) 211.0, (4096, 4) 248.0, (2048, 4) 247.8. The chunk
+# kernel keeps a chunk in registers (119 registers at 4 warps: four programs per SM); the
+# penalties push it to 167 (three per SM) unless capped at 128 (four per SM, 16 bytes of
+# spills), which wins. So: a grid of at most one program per SM keeps whole 4096-chunks at
+# 8 warps (B=1: 32 programs); up to SMALL_CHUNK_PROGRAMS programs use 2048-chunks at 4 warps;
+# larger grids 4096-chunks at 4 warps, capped at 128 registers when penalties are on.
 CHUNK_SMALL = 2048
 CHUNK_LARGE = 4096
 ONE_WAVE_PROGRAMS = 132
@@ -295,12 +295,9 @@ def _sample_chunk_kernel(
     # sum exp(z - zmax) = sum 2^(z*log2e - zmax*log2e); -inf values give 0
     zsum = tl.sum(tl.sum(tl.exp2(z * _LOG2E - zmax * _LOG2E), axis=1), axis=0)
     zsum = tl.where(zmax > float("-inf"), zsum, 0.0)
-    # Finite and NaN counts: a chunk without -inf (NaN became -inf) has every value finite,
-    # so only chunks holding one (the row's last, masked ones) count value by value.
-    n_fin = tl.full((), 4 * Q, tl.int32)
+    n_fin = finite_count(z)
     n_nan = tl.full((), 0, tl.int32)
-    if tl.min(tl.min(z, axis=1), axis=0) == float("-inf"):
-        n_fin = tl.sum(tl.sum((z > float("-inf")).to(tl.int32), axis=1), axis=0)
+    if n_fin < 4 * Q:  # NaN became -inf: only a chunk with a non-finite value can hold one
         n_nan = tl.sum(tl.sum(is_nan.to(tl.int32), axis=1), axis=0)
     cnt, floor = select_candidates(
         qmax,
@@ -348,10 +345,7 @@ def _sample_chunk_kernel(
         rsum = tl.sum(tl.sum(tl.exp2(x * _LOG2E - rmax * _LOG2E), axis=1), axis=0)
         tl.store(stf_ptr + 3 * PLANE + idx, rmax)
         tl.store(stf_ptr + 4 * PLANE + idx, tl.where(rmax > float("-inf"), rsum, 0.0))
-        rfin = tl.full((), 4 * Q, tl.int32)
-        if tl.min(tl.min(x, axis=1), axis=0) == float("-inf"):
-            rfin = tl.sum(tl.sum((x > float("-inf")).to(tl.int32), axis=1), axis=0)
-        tl.store(sti_ptr + 5 * PLANE + idx, rfin)
+        tl.store(sti_ptr + 5 * PLANE + idx, finite_count(x))
         if RAW_CANDS:
             rcnt, rfloor = select_candidates(
                 xmax,

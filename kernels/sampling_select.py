@@ -437,6 +437,16 @@ def process_rows(
 
 
 @triton.jit
+def finite_count(v):
+    """Values > -inf in a 2-D tile. A tile without -inf is counted whole, so only tiles holding
+    one (a row's last chunk, masked past V; -inf logits or bias) pay a pass over the values."""
+    n = tl.full((), v.shape[0] * v.shape[1], tl.int32)
+    if tl.min(tl.min(v, axis=1), axis=0) == float("-inf"):
+        n = tl.sum(tl.sum((v > float("-inf")).to(tl.int32), axis=1), axis=0)
+    return n
+
+
+@triton.jit
 def argmax2d(v):
     """(max, flat index) of a 2-D tensor, ties to the lowest flat (token) index."""
     gv, gi = tl.max(v, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -515,8 +525,11 @@ def select_candidates(
     # cuts are finite (>= -FLT_MAX), so `v >= cut` never selects an absent value
     c_lo = tl.maximum(tl.min(g_lo, axis=0), -3.4028234663852886e38)
     c_hi = tl.maximum(tl.min(g_hi, axis=0), -3.4028234663852886e38)
-    c0 = tl.where(tl.sum((qmax >= c_lo).to(tl.int32), axis=0) <= CAP, c_lo, c_hi)
-    nr = tl.sum((qmax >= c0).to(tl.int32), axis=0)
+    c0 = c_lo
+    nr = tl.sum((qmax >= c_lo).to(tl.int32), axis=0)
+    if nr > CAP:
+        c0 = c_hi
+        nr = tl.sum((qmax >= c_hi).to(tl.int32), axis=0)
     if nr > CAP:
         c0 = _cut_for(qmax, vmax, c0, CAP)
         nr = tl.sum((qmax >= c0).to(tl.int32), axis=0)

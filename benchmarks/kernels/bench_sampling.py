@@ -67,7 +67,7 @@ PROMPT_LEN, OUTPUT_LEN = 2000, 256
 AMBIG = 1e-4  # relative margin under which a mismatch is a rounding tie
 ALPHA = 1e-3
 BUDGET_S = 210.0  # the sweep stops here; everything before it is needed
-SWEEP = {  # (chunk or 0 = the rule's, warps or 0, maxnreg or None = the rule's); base cases
+SWEEP = {  # (chunk or 0 = the rule's, warps or 0 = the rule's, maxnreg or 0); base cases
     256: [(4096, 4, 128), (4096, 8, 0), (2048, 4, 0)],
     32: [(4096, 8, 0), (1024, 4, 0)],
     1: [(2048, 4, 0), (2048, 8, 0)],
@@ -469,12 +469,11 @@ def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
     x = make_logits(B, V, gen, dev)
     prm = make_params(B, V, gen, dev, pen=pen)
     name = case_name(B, V, pen)
-    rule_chunk, rule_warps, rule_nreg = smp.pick_launch(B, V, penalties=pen)
+    rule_chunk, rule_warps, _ = smp.pick_launch(B, V, penalties=pen)
     for chunk, warps, maxnreg in points:
         if run.elapsed() > run.budget:
             return
         chunk, warps = chunk or rule_chunk, warps or rule_warps
-        maxnreg = rule_nreg if maxnreg is None else maxnreg
         impl = f"fuselane chunk={chunk} warps={warps}" + (f" maxnreg={maxnreg}" if maxnreg else "")
         try:
             ws = smp.SamplingWorkspace.allocate(
