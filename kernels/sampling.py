@@ -78,6 +78,7 @@ import triton.language as tl
 
 from ._checks import check_choice, check_tensor
 from ._launch import cdiv, launch, use_custom_op
+from .sampling_penalties import GROUP, penalize_seen_, penalize_seen_op
 from .sampling_select import (
     KEY_NEG_INF,
     KEY_NO_BOUND,
@@ -109,7 +110,6 @@ _MODE_CODE = {
     "processed_logprobs": 4,
 }
 MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
-GROUP = 32  # tokens per word of the packed prompt/output bit masks
 
 # Launch configuration, measured on an H100 (benchmarks/results/
 # sampling-h100-80gb-hbm3-2026-11-25-sweep.json, T=0.7 k=50 p=0.9, fp32 logits; us for
@@ -1391,12 +1391,19 @@ def fused_sample(
     workspace: SamplingWorkspace | None = None,
     num_logprobs: int | None = 0,
     logprobs_mode: str = "raw_logprobs",
+    logits_writable: bool = False,
 ) -> SampleOutput:
     """Process `logits [B, V]` (fp32/bf16/fp16, stride 1 in V) and sample one token per row.
 
     num_logprobs: None = no log-probabilities; 0 = the chosen token's; n > 0 = also the top n
     (n <= 128). Two launches (plus one `random_` when some row has no seed), no host sync, no
     allocation when `workspace` is given: the outputs are views into it.
+
+    logits_writable: the caller does not read `logits` afterwards (vLLM's V1 sampler penalizes
+    its own fp32 logits in place too). With penalties on, fp32 logits, no logit bias and no raw
+    log-probabilities asked for, the penalized values of the seen tokens are then written into
+    `logits` by a pre-pass (`sampling_penalties`) and the sampler runs its plain variant: the
+    same results, less work per value. Otherwise `logits` is never written.
     """
     _validate(logits, params, num_logprobs, logprobs_mode)
     B, V = logits.shape
@@ -1413,11 +1420,26 @@ def fused_sample(
         )
     if n > ws.max_logprobs:
         raise ValueError(f"num_logprobs: workspace allows up to {ws.max_logprobs}, got {n}")
-    chunk, warps, maxnreg = pick_launch(B, V, penalties=params.has_penalties)
-    if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
-        chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
     p = params
+    pen = p.has_penalties
+    rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    pmask, counts, omask = p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask
+    if (
+        pen
+        and logits_writable
+        and logits.dtype == torch.float32
+        and not p.has_bias  # vLLM biases before it penalizes
+        and mode not in (1, 2)  # raw values are read from the logits
+    ):
+        compiling = use_custom_op(logits)
+        pre = penalize_seen_op if compiling else penalize_seen_
+        pre(logits, rep, freq, pres, p.state_slots, pmask, counts, omask)
+        pen = False
+        rep = freq = pres = pmask = counts = omask = None
+    chunk, warps, maxnreg = pick_launch(B, V, penalties=pen)
+    if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
+        chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     into = _fused_sample_into if use_custom_op(logits) else _fused_sample_into_impl
     into(
         logits,
@@ -1425,13 +1447,13 @@ def fused_sample(
         p.top_k,
         p.top_p,
         p.min_p,
-        p.repetition_penalty,
-        p.frequency_penalty,
-        p.presence_penalty,
+        rep,
+        freq,
+        pres,
         p.state_slots,
-        p.prompt_bin_mask,
-        p.output_bin_counts,
-        p.output_bin_mask,
+        pmask,
+        counts,
+        omask,
         p.logit_bias_counts,
         p.logit_bias_token_ids,
         p.logit_bias_values,

@@ -563,16 +563,25 @@ class SamplingSnapshot(Snapshot):
 
 
 class SamplingCheck:
-    """Snapshots of `fuselane.kernels.sampling.fused_sample` calls (one row per check)."""
-
-    before = None
+    """Snapshots of `fuselane.kernels.sampling.fused_sample` calls (one row per check). With
+    `logits_writable` the kernel may write penalized values into the logits, so the row is
+    kept before the launch."""
 
     def __init__(self) -> None:
         self._pick = _Rotating()
 
+    def before(
+        self, logits: torch.Tensor, params: Any, **kwargs: Any
+    ) -> tuple[int, torch.Tensor] | None:
+        num_rows = logits.shape[0]
+        if num_rows == 0:
+            return None
+        b = self._pick.next(num_rows)
+        return b, logits[b : b + 1].clone()
+
     def after(
         self,
-        pre: Any,
+        pre: tuple[int, torch.Tensor] | None,
         out: Any,
         logits: torch.Tensor,
         params: Any,
@@ -580,12 +589,12 @@ class SamplingCheck:
         workspace: Any = None,
         num_logprobs: int | None = 0,
         logprobs_mode: str = "raw_logprobs",
+        logits_writable: bool = False,
     ) -> Snapshot | None:
-        num_rows = logits.shape[0]
-        if num_rows == 0:
+        if pre is None:
             return None
-        b = self._pick.next(num_rows)
-        tensors = {"logits": logits[b : b + 1].clone(), "token": out.token_ids[b : b + 1].clone()}
+        b, row = pre
+        tensors = {"logits": row, "token": out.token_ids[b : b + 1].clone()}
         for name in _ROW_FIELDS:
             value = getattr(params, name)
             if value is not None:

@@ -355,6 +355,8 @@ def make_v1_sampler(base: type) -> type:
                 workspace=ws,
                 num_logprobs=n,
                 logprobs_mode=mode,
+                # V1 penalizes these fp32 logits in place itself; the ranks below read them
+                logits_writable=n is None,
             )
             # No host sync for NaN rows (as on V2): the kernel never samples a NaN (stock V1
             # would sample garbage from NaN probabilities) and the runner can prepare the next
@@ -597,6 +599,8 @@ def make_v2_sampler(base: type) -> type:
                 workspace=ws,
                 num_logprobs=n,
                 logprobs_mode=self.logprobs_mode,
+                # the runner does not read the logits after sampling; the ranks below do
+                logits_writable=n is None,
             )
             # Copies: the workspace is overwritten by the next step while the runner still
             # reads these (async output copy, post_update). No host sync: NaN rows are not

@@ -24,13 +24,16 @@ Order of work, in one process on one device:
   5. GOAL lines, the table; JSON to --out and benchmarks/results/.
 
 fuselane is timed as the V2 plugin would call it: every row seeded (V2 keeps a seed per
-request), no logprobs (the peers compute none); one extra row per base case adds raw logprobs
-with the top 5. Bytes counted: the logits read once (plus the dense output counts where they
-are read). Peers: FlashInfer 0.2.14 `top_k_top_p_sampling_from_logits` on logits already
-divided by T (temperature not timed for it; with penalties, torch penalties/min-p in front of
-it), and `torch-sort (vLLM fallback)`: the reference's sort-based top-k/top-p block (the same
-algorithm as vLLM's apply_top_k_top_p_pytorch), softmax, exponential race (vLLM's
-random_sample), with the reference's penalty / min-p blocks in front in the penalty cases.
+request), no logprobs (the peers compute none), so with penalties the logits are writable
+(`logits_writable`: the seen tokens penalized in place by a pre-pass); one extra row per base
+case adds raw logprobs with the top 5, one per penalty case keeps the logits read-only
+(penalties applied to every value by the sampler itself). Bytes counted: the logits read
+once (plus the dense output counts where they are read). Peers: FlashInfer 0.2.14
+`top_k_top_p_sampling_from_logits` on logits already divided by T (temperature not timed for
+it; with penalties, torch penalties/min-p in front of it), and `torch-sort (vLLM fallback)`:
+the reference's sort-based top-k/top-p block (the same algorithm as vLLM's
+apply_top_k_top_p_pytorch), softmax, exponential race (vLLM's random_sample), with the
+reference's penalty / min-p blocks in front in the penalty cases.
 """
 
 from __future__ import annotations
@@ -126,10 +129,18 @@ def _with_top_p(prm, scale):
     return smp.SamplingParamsTensors(**d)
 
 
-def compare(logits, prm, ws, *, num_logprobs=5, mode="processed_logprobs"):
-    """Kernel vs reference on one batch. Returns (ok, summary, details)."""
+def compare(logits, prm, ws, *, num_logprobs=5, mode="processed_logprobs", writable=False):
+    """Kernel vs reference on one batch. Returns (ok, summary, details). writable: the kernel
+    runs on a copy it may penalize in place (`logits_writable`)."""
     B, V = logits.shape
-    out = smp.fused_sample(logits, prm, workspace=ws, num_logprobs=num_logprobs, logprobs_mode=mode)
+    out = smp.fused_sample(
+        logits.clone() if writable else logits,
+        prm,
+        workspace=ws,
+        num_logprobs=num_logprobs,
+        logprobs_mode=mode,
+        logits_writable=writable,
+    )
     ref = smp.sample_reference(logits, prm, num_logprobs=num_logprobs, logprobs_mode=mode)
     z = smp.process_logits_reference(logits, prm)
     fin = z > float("-inf")
@@ -221,7 +232,12 @@ class Runner:
 def run_checks(run: Runner, gen, small: bool) -> None:
     dev = run.device
     shapes = (
-        [(3, 1000, {}), (4, 5000, {"top_k": None}), (2, 3001, {"min_p": 0.1})]
+        [
+            (3, 1000, {}),
+            (4, 5000, {"top_k": None}),
+            (2, 3001, {"min_p": 0.1}),
+            (3, 4099, {"pen": True}),
+        ]
         if small
         else [
             (4, 128256, {}),
@@ -276,6 +292,10 @@ def run_checks(run: Runner, gen, small: bool) -> None:
             for mode in modes:
                 ok, summary, _ = compare(x, prm, ws, mode=mode)
                 run.line(f"{name} {mode}", ok, summary)
+            if opt.get("pen"):
+                for n in (None, 5):  # the in-place penalty pre-pass (processed modes only)
+                    ok, summary, _ = compare(x, prm, ws, num_logprobs=n, writable=True)
+                    run.line(f"{name} logits_writable num_logprobs={n}", ok, summary)
         except Exception as e:  # noqa: BLE001 - a crash is a failure, reported like one
             traceback.print_exc()
             run.line(name, False, f"raised {e!r}")
@@ -354,16 +374,23 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
     ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5)
     ok, summary, info = compare(x, prm, ws)
     run.line(f"case {name}", ok, summary)
+    if ok and pen:
+        # as the plugin calls it without logprobs: the seen tokens penalized in place
+        ok, summary, info = compare(x, prm, ws, num_logprobs=None, writable=True)
+        run.line(f"case {name} (logits_writable)", ok, summary)
     nbytes = x.numel() * x.element_size()
     ours = None
     if ok:
+        # The writable calls penalize the same logits again on every call (663 per timing at
+        # 1.1x: values stay finite): the same tokens, the same work.
+        xw = x.clone()
         ours = run.time(
             "sampling",
             name,
             "fuselane",
-            lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None),
+            lambda: smp.fused_sample(xw, prm, workspace=ws, num_logprobs=None, logits_writable=pen),
             nbytes=nbytes,
-            extra={"fallback_rows_in_check": info["fallback_rows"]},
+            extra={"fallback_rows_in_check": info["fallback_rows"], "logits_writable": pen},
         )
         if not pen:
             base_ms[B] = ours
@@ -375,12 +402,22 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
                 nbytes=nbytes,
             )
         else:
+            run.time(
+                "sampling",
+                name,
+                "fuselane (read-only logits: penalties on every value)",
+                lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None),
+                nbytes=nbytes,
+            )
             dense = smp.SamplingParamsTensors(**{**prm.__dict__, "output_bin_mask": None})
+            xd = x.clone()
             run.time(
                 "sampling",
                 name,
                 "fuselane (dense output counts)",
-                lambda: smp.fused_sample(x, dense, workspace=ws, num_logprobs=None),
+                lambda: smp.fused_sample(
+                    xd, dense, workspace=ws, num_logprobs=None, logits_writable=True
+                ),
                 nbytes=2 * nbytes,
             )
     else:

@@ -322,6 +322,102 @@ def test_penalties_and_bias_values(with_out_mask):
     assert y[0, int(top[0, 0])] == float("-inf") and y[0, 17] > x[0].max()
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)  # bit patterns: NaN compares equal to itself
+
+
+@pytest.mark.parametrize("with_out_mask", [True, False])
+def test_penalties_written_in_place(with_out_mask):
+    """logits_writable: the pre-pass writes exactly the reference's penalized values (seen
+    tokens only; NaN stays NaN, -inf stays -inf) and the sampler's outputs equal the read-only
+    path's bit for bit. V = 9001: three pre-pass programs per row, a partial last word."""
+    B, V, S = 5, 9001, 7
+    g = torch.Generator().manual_seed(21)
+    prompts = torch.randint(0, V, (S, 300), generator=g)
+    prompts[2, :40] = torch.arange(V - 40, V)  # the partial last word
+    outs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 0, 60, 9, 1, 30, 2)]
+    x0 = _logits(B, V, seed=13)
+    top = x0.argsort(-1, descending=True)[:, :3]
+    outs[4] += [int(top[0, 0])] * 3  # row 0 (slot 4): its argmax is an output token
+    pm, oc, om = penalty_state_from_v1(prompts, outs, V)
+    seen = unpack_bin_mask(pm, V) | (oc > 0)
+    slots = torch.tensor([4, 2, 6, 0, 2], dtype=torch.int64)
+    s1 = seen[slots[1]].nonzero().flatten()
+    x0[1, s1[0]] = float("nan")
+    x0[1, s1[1]] = float("-inf")
+    x0[3, 7] = float("nan")  # unseen in slot 0 unless drawn: counted either way
+    prm = _params(
+        B,
+        temperature=torch.tensor([0.0, 0.9, 1.3, 0.7, 1.0]),
+        top_k=torch.tensor([0, 40, 0, 5, 0], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0]),
+        min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0]),
+        repetition_penalty=torch.tensor([1.3, 1.1, 0.8, 1.0, 1.0]),
+        frequency_penalty=torch.tensor([0.5, 0.2, -0.3, 0.4, 0.0]),
+        presence_penalty=torch.tensor([0.0, 0.3, 0.1, -0.2, 0.0]),  # row 4: no penalty
+        state_slots=slots,
+        prompt_bin_mask=pm,
+        output_bin_counts=oc,
+        output_bin_mask=om if with_out_mask else None,
+    )
+    ws_r, ws_w = _ws(B, V, chunk=2048), _ws(B, V, chunk=2048)
+    for n, mode in ((None, "raw_logprobs"), (4, "processed_logprobs"), (2, "processed_logits")):
+        xr, xw = x0.clone(), x0.clone()
+        ref = fused_sample(xr, prm, workspace=ws_r, num_logprobs=n, logprobs_mode=mode)
+        out = fused_sample(
+            xw, prm, workspace=ws_w, num_logprobs=n, logprobs_mode=mode, logits_writable=True
+        )
+        assert torch.equal(_bits(xr), _bits(x0)), "read-only logits written"
+        want = apply_penalties_reference(x0.clone(), prm)
+        assert torch.equal(_bits(xw), _bits(want)), "in-place values differ from the reference"
+        assert not torch.equal(_bits(xw), _bits(x0))
+        assert torch.equal(out.token_ids, ref.token_ids), (out.token_ids, ref.token_ids)
+        assert out.token_ids[0] != top[0, 0]  # greedy row: its penalized argmax lost
+        for name in ("nan_rows", "kept_count", "kept_threshold"):
+            assert torch.equal(getattr(out, name), getattr(ref, name)), name
+        if n is not None:
+            assert torch.equal(_bits(out.logprob), _bits(ref.logprob))
+            assert torch.equal(out.topn_ids, ref.topn_ids)
+            assert torch.equal(_bits(out.topn_logprobs), _bits(ref.topn_logprobs))
+    assert int(out.nan_rows[1]) == 1 and int(out.nan_rows[3]) == 1
+    _check(x0.clone(), prm, ws=_ws(B, V, chunk=2048), num_logprobs=4, mode="processed_logprobs")
+
+
+def test_writable_logits_left_alone_where_the_prepass_does_not_apply():
+    """Raw log-probabilities read the logits, bias comes before penalties, bf16 cannot hold
+    the penalized values: in each case the logits stay as they were and the result is the
+    read-only one."""
+    B, V = 3, 700
+    pm, oc, om = penalty_state_from_v1(torch.randint(0, V, (B, 30)), [[1, 2, 2], [], [5] * 9], V)
+    pen = dict(
+        repetition_penalty=torch.tensor([1.3, 1.0, 0.9]),
+        frequency_penalty=torch.tensor([0.2, 0.0, 0.1]),
+        presence_penalty=torch.tensor([0.1, 0.5, 0.0]),
+        prompt_bin_mask=pm,
+        output_bin_counts=oc,
+        output_bin_mask=om,
+    )
+    counts, toks, vals = logit_bias_from_dicts({0: {3: 2.0}}, B, "cpu")
+    bias = dict(logit_bias_counts=counts, logit_bias_token_ids=toks, logit_bias_values=vals)
+    cases = [
+        (torch.float32, {}, 3, "raw_logprobs"),
+        (torch.float32, {}, 0, "raw_logits"),
+        (torch.float32, bias, None, "raw_logprobs"),
+        (torch.bfloat16, {}, None, "raw_logprobs"),
+    ]
+    for dtype, extra, n, mode in cases:
+        prm = _params(B, temperature=torch.tensor([0.8, 1.0, 0.0]), **pen, **extra)
+        x0 = _logits(B, V, seed=6, dtype=dtype)
+        x = x0.clone()
+        out = fused_sample(
+            x, prm, workspace=_ws(B, V), num_logprobs=n, logprobs_mode=mode, logits_writable=True
+        )
+        assert torch.equal(x, x0), (dtype, extra.keys(), n, mode)
+        ref = fused_sample(x0, prm, workspace=_ws(B, V), num_logprobs=n, logprobs_mode=mode)
+        assert torch.equal(out.token_ids, ref.token_ids)
+        assert torch.equal(out.kept_threshold, ref.kept_threshold)
+
+
 # ------------------------------------------------------------------------------ seeds, RNG
 
 
@@ -511,6 +607,16 @@ def test_outputs_are_workspace_views_and_custom_op_fake():
     with FakeTensorMode():
         fake_ws = SamplingWorkspace.allocate(B, V, "cpu")
         fused_sample(torch.randn(B, V), SamplingParamsTensors(), workspace=fake_ws)
+        pm, oc, om = penalty_state_from_v1(torch.zeros(B, 1, dtype=torch.int64), [[1], []], V)
+        pen = SamplingParamsTensors(
+            repetition_penalty=torch.ones(B) * 1.2,
+            prompt_bin_mask=pm,
+            output_bin_counts=oc,
+            output_bin_mask=om,
+        )
+        # the pre-pass goes through its own op, declared as mutating the logits
+        fused_sample(torch.randn(B, V), pen, workspace=fake_ws, logits_writable=True)
+    assert smp.penalize_seen_op._opoverload._schema.arguments[0].alias_info.is_write
 
 
 def _bad(match, logits=None, prm=None, **kw):

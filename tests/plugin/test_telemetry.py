@@ -407,19 +407,49 @@ def test_sampling_check_kept_set_and_chosen_token(temperature, mode):
     ref = sampling_kernels.sample_reference(logits, params, num_logprobs=0, logprobs_mode=mode)
     check = numerics.SamplingCheck()
     for _ in range(3):  # every row
-        snap = check.after(None, ref, logits, params, num_logprobs=0, logprobs_mode=mode)
+        pre = check.before(logits, params)
+        snap = check.after(pre, ref, logits, params, num_logprobs=0, logprobs_mode=mode)
         out = snap.check()
         assert out.passed, out.detail
     ref.token_ids = (ref.token_ids + 1) % logits.shape[1]  # what the fault switch does
     for _ in range(3):
-        out = check.after(None, ref, logits, params, num_logprobs=0, logprobs_mode=mode).check()
+        pre = check.before(logits, params)
+        out = check.after(pre, ref, logits, params, num_logprobs=0, logprobs_mode=mode).check()
         assert not out.passed
         assert out.max_abs > 0 or "outside" in out.detail or "argmax" in out.detail
     ref = sampling_kernels.sample_reference(logits, params, num_logprobs=0, logprobs_mode=mode)
     if temperature > 0:
         ref.kept_count = ref.kept_count + 5
-        out = check.after(None, ref, logits, params, num_logprobs=0, logprobs_mode=mode).check()
+        pre = check.before(logits, params)
+        out = check.after(pre, ref, logits, params, num_logprobs=0, logprobs_mode=mode).check()
         assert not out.passed and "kept" in out.detail
+
+
+def test_sampling_check_of_penalties_written_in_place(tel):
+    """A checked call that lets the kernel penalize the logits in place is checked against
+    the logits as they were before the launch (else every such check would fail)."""
+    from fuselane.kernels import sampling as sampling_kernels
+
+    logits, params = sampling_case(0.8, seed=3)
+    b, vocab = logits.shape
+    hot = logits.argsort(-1, descending=True)[:, :4]  # penalize each row's top tokens
+    pm, oc, om = sampling_kernels.penalty_state_from_v1(hot[:, :2], hot[:, 2:].tolist(), vocab)
+    params.repetition_penalty = torch.full((b,), 1.5)
+    params.frequency_penalty = torch.full((b,), 0.7)
+    params.prompt_bin_mask, params.output_bin_counts, params.output_bin_mask = pm, oc, om
+    labels = dict(kernel="sampling", phase="decode", impl="fuselane")
+    passed = value("fuselane_numerical_checks_total", result="pass", **labels)
+    failed = value("fuselane_numerical_checks_total", result="fail", **labels)
+    tel.note_step(torch.tensor([0, 1, 2], dtype=torch.int32))
+    seam = tel.seam("sampling")
+    for _ in range(b):
+        x = logits.clone()
+        seam(None, sampling_kernels.fused_sample, x, params, num_logprobs=None,
+             logits_writable=True)  # fmt: skip
+        assert not torch.equal(x, logits)  # the pre-pass ran
+    tel.flush()
+    assert value("fuselane_numerical_checks_total", result="pass", **labels) == passed + b
+    assert value("fuselane_numerical_checks_total", result="fail", **labels) == failed
 
 
 def test_attention_snapshot_too_large_is_dropped(tel, monkeypatch):

@@ -1,0 +1,146 @@
+"""Repetition / frequency / presence penalties written into the logits, for seen tokens only.
+
+The fused sampler applies penalties to every value it loads: at B=256 x V=151936 that is about
+25 instructions per value for the ~1.5% of tokens a request has seen (2000 prompt + 256 output
+ids), and the chunk kernel is bound by instruction issue, not DRAM. When the caller lets the
+logits be overwritten (vLLM's V1 sampler penalizes its fp32 logits in place as well), this
+pre-pass expands the packed bits word by word, gathers and rewrites only the seen tokens, and
+the sampler then runs its plain variant. Per token the arithmetic and its order are those of
+`sampling_select._process`, so both paths give bit-identical values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, launch
+
+GROUP = 32  # tokens per word of the packed prompt/output bit masks
+WORDS_PER_PROGRAM = 128  # 4096 tokens: a [128, 32] tile, 32 values a thread at 4 warps
+WARPS = 4
+
+
+@triton.jit
+def _penalize_seen_kernel(
+    logits_ptr,
+    stride_row,
+    V,
+    NW,
+    rep_ptr,
+    freq_ptr,
+    pres_ptr,
+    slots_ptr,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    WORDS: tl.constexpr,
+    HAS_REP: tl.constexpr,
+    HAS_FREQ: tl.constexpr,
+    HAS_PRES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+):
+    """Grid (cdiv(NW, WORDS), B): program (c, b) rewrites the seen tokens of words
+    [c*WORDS, (c+1)*WORDS) of row b in place (fp32 logits). NaN stays NaN (the sampler counts
+    it); unseen tokens are neither read nor written."""
+    c = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    rep = tl.full((), 1.0, tl.float32)
+    if HAS_REP:
+        rep = tl.load(rep_ptr + row)
+    freq = tl.full((), 0.0, tl.float32)
+    if HAS_FREQ:
+        freq = tl.load(freq_ptr + row)
+    pres = tl.full((), 0.0, tl.float32)
+    if HAS_PRES:
+        pres = tl.load(pres_ptr + row)
+    if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
+        slot = row
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + row).to(tl.int64)
+        w = c * WORDS + tl.arange(0, WORDS)
+        wok = w < NW
+        j = tl.arange(0, 32)[None, :]
+        tok = w[:, None] * 32 + j
+        inv = tok < V
+        cptr = counts_ptr + slot * counts_stride + tok
+        if HAS_OUT_MASK:
+            ow = tl.load(omask_ptr + slot * omask_stride + w, mask=wok, other=0)
+            obit = (((ow[:, None] >> j) & 1) != 0) & inv
+            cnt = tl.load(cptr, mask=obit, other=0)
+        else:
+            cnt = tl.load(cptr, mask=inv, other=0)
+            obit = cnt > 0
+        # A token only in the prompt changes only under a repetition penalty.
+        touched = obit
+        if rep != 1.0:
+            pw = tl.load(pmask_ptr + slot * pmask_stride + w, mask=wok, other=0)
+            touched = obit | ((((pw[:, None] >> j) & 1) != 0) & inv)
+        xptr = logits_ptr + row * stride_row + tok
+        y = tl.load(xptr, mask=touched, other=0.0)
+        if rep != 1.0:
+            inv_rep = 1.0 / rep
+            y = y * tl.where(y > 0, inv_rep, rep)
+        if freq != 0.0:
+            y = y - freq * cnt.to(tl.float32)
+        if pres != 0.0:
+            y = y - pres * obit.to(tl.float32)
+        tl.store(xptr, y, mask=touched)
+
+
+def penalize_seen_(
+    logits: torch.Tensor,
+    repetition_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    state_slots: torch.Tensor | None,
+    prompt_bin_mask: torch.Tensor,
+    output_bin_counts: torch.Tensor,
+    output_bin_mask: torch.Tensor | None,
+) -> None:
+    """Apply the penalties to `logits [B, V]` (fp32, stride 1 in V) in place. Inputs as in
+    `sampling.SamplingParamsTensors` (validated by `fused_sample`, the only caller)."""
+    B, V = logits.shape
+    nw = cdiv(V, GROUP)
+    dummy = logits
+    has_omask = output_bin_mask is not None
+    launch(
+        _penalize_seen_kernel,
+        (cdiv(nw, WORDS_PER_PROGRAM), B),
+        logits,
+        logits.stride(0),
+        V,
+        nw,
+        repetition_penalty if repetition_penalty is not None else dummy,
+        frequency_penalty if frequency_penalty is not None else dummy,
+        presence_penalty if presence_penalty is not None else dummy,
+        state_slots if state_slots is not None else dummy,
+        prompt_bin_mask,
+        prompt_bin_mask.stride(0),
+        output_bin_counts,
+        output_bin_counts.stride(0),
+        output_bin_mask if has_omask else dummy,
+        output_bin_mask.stride(0) if has_omask else 0,
+        WORDS=WORDS_PER_PROGRAM,
+        HAS_REP=repetition_penalty is not None,
+        HAS_FREQ=frequency_penalty is not None,
+        HAS_PRES=presence_penalty is not None,
+        HAS_SLOTS=state_slots is not None,
+        HAS_OUT_MASK=has_omask,
+        num_warps=WARPS,
+    )
+
+
+penalize_seen_op = torch.library.custom_op("fuselane::penalize_seen_", mutates_args=("logits",))(
+    penalize_seen_
+)
+
+
+@penalize_seen_op.register_fake
+def _(*args, **kwargs) -> None:
+    return None
