@@ -4,9 +4,10 @@ The fused sampler applies penalties to every value it loads: at B=256 x V=151936
 25 instructions per value for the ~1.5% of tokens a request has seen (2000 prompt + 256 output
 ids), and the chunk kernel is bound by instruction issue, not DRAM. When the caller lets the
 logits be overwritten (vLLM's V1 sampler penalizes its fp32 logits in place as well), this
-pre-pass expands the packed bits word by word, gathers and rewrites only the seen tokens, and
-the sampler then runs its plain variant. Per token the arithmetic and its order are those of
-`sampling_select._process`, so both paths give bit-identical values.
+pre-pass walks the set bits of the packed words (one word per lane, lowest bit first),
+gathers and rewrites only the seen tokens, and the sampler then runs its plain variant. Per
+token the arithmetic and its order are those of `sampling_select._process`, so both paths give
+bit-identical values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 from ._launch import cdiv, launch
 
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
-WORDS_PER_PROGRAM = 128  # 4096 tokens: a [128, 32] tile, 32 values a thread at 4 warps
+WORDS_PER_PROGRAM = 128  # one packed word per lane at 4 warps
 WARPS = 4
 
 
@@ -46,8 +47,8 @@ def _penalize_seen_kernel(
     HAS_OUT_MASK: tl.constexpr,
 ):
     """Grid (cdiv(NW, WORDS), B): program (c, b) rewrites the seen tokens of words
-    [c*WORDS, (c+1)*WORDS) of row b in place (fp32 logits). NaN stays NaN (the sampler counts
-    it); unseen tokens are neither read nor written."""
+    [c*WORDS, (c+1)*WORDS) of row b in place (fp32 logits), one word per lane. NaN stays NaN
+    (the sampler counts it); unseen tokens are neither read nor written."""
     c = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     rep = tl.full((), 1.0, tl.float32)
@@ -65,32 +66,43 @@ def _penalize_seen_kernel(
             slot = tl.load(slots_ptr + row).to(tl.int64)
         w = c * WORDS + tl.arange(0, WORDS)
         wok = w < NW
-        j = tl.arange(0, 32)[None, :]
-        tok = w[:, None] * 32 + j
-        inv = tok < V
-        cptr = counts_ptr + slot * counts_stride + tok
         if HAS_OUT_MASK:
             ow = tl.load(omask_ptr + slot * omask_stride + w, mask=wok, other=0)
-            obit = (((ow[:, None] >> j) & 1) != 0) & inv
-            cnt = tl.load(cptr, mask=obit, other=0)
         else:
-            cnt = tl.load(cptr, mask=inv, other=0)
-            obit = cnt > 0
+            # the output bits from a coalesced read of the dense counts (distinct bits: sum = or)
+            j = tl.arange(0, 32)[None, :]
+            tok2 = w[:, None] * 32 + j
+            c2 = tl.load(counts_ptr + slot * counts_stride + tok2, mask=tok2 < V, other=0)
+            ow = tl.sum(tl.where(c2 > 0, 1 << j, 0), axis=1)
         # A token only in the prompt changes only under a repetition penalty.
-        touched = obit
+        todo = ow
         if rep != 1.0:
-            pw = tl.load(pmask_ptr + slot * pmask_stride + w, mask=wok, other=0)
-            touched = obit | ((((pw[:, None] >> j) & 1) != 0) & inv)
-        xptr = logits_ptr + row * stride_row + tok
-        y = tl.load(xptr, mask=touched, other=0.0)
-        if rep != 1.0:
-            inv_rep = 1.0 / rep
-            y = y * tl.where(y > 0, inv_rep, rep)
-        if freq != 0.0:
-            y = y - freq * cnt.to(tl.float32)
-        if pres != 0.0:
-            y = y - pres * obit.to(tl.float32)
-        tl.store(xptr, y, mask=touched)
+            todo = todo | tl.load(pmask_ptr + slot * pmask_stride + w, mask=wok, other=0)
+        inv_rep = 1.0 / rep
+        xrow = logits_ptr + row * stride_row
+        crow = counts_ptr + slot * counts_stride
+        # One set bit per lane per step, lowest first: as many steps as the most bits a word
+        # of this program holds (about 1.5% of a row's tokens are seen), not 32.
+        left = tl.sum((todo != 0).to(tl.int32), axis=0)
+        while left > 0:
+            low = todo & (-todo)
+            todo = todo ^ low
+            # bit index = exponent of the (exact) fp32 value of the power of two
+            lowf = low.to(tl.uint32, bitcast=True).to(tl.float32)
+            pos = (lowf.to(tl.int32, bitcast=True) >> 23) - 127
+            tok = w * 32 + pos
+            hit = (low != 0) & (tok < V)
+            obit = hit & (((ow >> pos) & 1) != 0)
+            y = tl.load(xrow + tok, mask=hit, other=0.0)
+            if rep != 1.0:
+                y = y * tl.where(y > 0, inv_rep, rep)
+            if freq != 0.0:
+                cnt = tl.load(crow + tok, mask=obit, other=0)
+                y = y - freq * cnt.to(tl.float32)
+            if pres != 0.0:
+                y = y - pres * obit.to(tl.float32)
+            tl.store(xrow + tok, y, mask=hit)
+            left = tl.sum((todo != 0).to(tl.int32), axis=0)
 
 
 def penalize_seen_(
