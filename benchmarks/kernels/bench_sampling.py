@@ -57,9 +57,11 @@ if str(ROOT) not in sys.path:
 try:  # an installed checkout (pip install -e .)
     from fuselane.benchmarks import harness
     from fuselane.kernels import sampling as smp
+    from fuselane.kernels import sampling_penalties as spen
 except ImportError:  # a bare checkout (the GPU machine): the root folders are packages
     from benchmarks import harness
     from kernels import sampling as smp
+    from kernels import sampling_penalties as spen
 
 T, K, P = 0.7, 50, 0.9
 CASES = [(1, 128256), (32, 128256), (256, 151936)]
@@ -75,6 +77,7 @@ SWEEP = {  # (chunk or 0 = the rule's, warps or 0 = the rule's, maxnreg or 0); b
     32: [(4096, 8, 0), (1024, 4, 0)],
     1: [(2048, 4, 0), (2048, 8, 0)],
 }  # fmt: skip
+PREPASS_WORDS = {256: (128, 256, 1024), 32: (128, 256, 1024)}  # besides the default (512)
 SWEEP_PEN = {  # the same with penalties and min-p
     256: [(0, 0, 0), (2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (8192, 8, 0)],
     32: [(0, 0, 128), (4096, 8, 0)],
@@ -409,6 +412,25 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
                 lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None),
                 nbytes=nbytes,
             )
+            default_words = spen.WORDS_PER_PROGRAM
+            for words in PREPASS_WORDS.get(B, ()):
+                spen.WORDS_PER_PROGRAM = words  # read by the launcher on every call
+                try:
+                    ok_w, summary_w, _ = compare(x, prm, ws, num_logprobs=None, writable=True)
+                    run.line(f"case {name} pre-pass words={words}", ok_w, summary_w)
+                    if ok_w:
+                        xs = x.clone()
+                        run.time(
+                            "sweep",
+                            name,
+                            f"fuselane pre-pass words={words}",
+                            lambda xs=xs: smp.fused_sample(
+                                xs, prm, workspace=ws, num_logprobs=None, logits_writable=True
+                            ),
+                            nbytes=nbytes,
+                        )
+                finally:
+                    spen.WORDS_PER_PROGRAM = default_words
             dense = smp.SamplingParamsTensors(**{**prm.__dict__, "output_bin_mask": None})
             xd = x.clone()
             run.time(

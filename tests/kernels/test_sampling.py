@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fuselane.kernels import sampling as smp
+from fuselane.kernels import sampling_penalties as spen
 from fuselane.kernels.sampling import (
     LOGPROBS_MODES,
     SamplingParamsTensors,
@@ -326,11 +327,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)  # bit patterns: NaN compares equal to itself
 
 
-@pytest.mark.parametrize("with_out_mask", [True, False])
-def test_penalties_written_in_place(with_out_mask):
+@pytest.mark.parametrize("with_out_mask,words", [(True, 128), (False, None)])
+def test_penalties_written_in_place(with_out_mask, words, monkeypatch):
     """logits_writable: the pre-pass writes exactly the reference's penalized values (seen
     tokens only; NaN stays NaN, -inf stays -inf) and the sampler's outputs equal the read-only
-    path's bit for bit. V = 9001: three pre-pass programs per row, a partial last word."""
+    path's bit for bit. V = 9001: a partial last word; three pre-pass programs per row at 128
+    words a program, one at the default."""
+    if words is not None:
+        monkeypatch.setattr(spen, "WORDS_PER_PROGRAM", words)
     B, V, S = 5, 9001, 7
     g = torch.Generator().manual_seed(21)
     prompts = torch.randint(0, V, (S, 300), generator=g)
