@@ -78,7 +78,7 @@ import triton.language as tl
 
 from ._checks import check_choice, check_tensor
 from ._launch import cdiv, launch, use_custom_op
-from .sampling_penalties import GROUP, penalize_seen_, penalize_seen_op
+from .sampling_penalties import GROUP, penalize_words
 from .sampling_select import (
     KEY_NEG_INF,
     KEY_NO_BOUND,
@@ -196,6 +196,7 @@ def _sample_chunk_kernel(
     HAS_SLOTS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
+    PEN_IN_PLACE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SEED_MODE: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
@@ -261,6 +262,22 @@ def _sample_chunk_kernel(
     )
     start = c.to(tl.int64) * CHUNK
     idx = row * NC + c
+    if PEN_IN_PLACE:
+        if use_pen:
+            penalize_words(
+                logits_ptr + row * stride_row,
+                counts_ptr + slot * counts_stride,
+                pmask_ptr + slot * pmask_stride,
+                omask_ptr + slot * omask_stride,
+                c * (CHUNK // 32),  # packed words of 32 tokens
+                V,
+                rep,
+                freq,
+                pres,
+                CHUNK // 32,
+                HAS_OUT_MASK,
+            )
+        tl.debug_barrier()  # every rewritten token stored before the chunk is read
     _tok, x, z, is_nan = process_tile(
         start,
         row,
@@ -1240,15 +1257,19 @@ def _fused_sample_into_impl(
     cap: int,
     chunk_warps: int,
     maxnreg: int,
+    pen_in_place: bool,
 ) -> None:
     """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
-    no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES."""
+    no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES. pen_in_place: the chunk kernel writes the
+    penalized values of seen tokens into `logits` first; both kernels then read them as
+    plain logits."""
     B, V = logits.shape
     has_pen = (
         repetition_penalty is not None
         or frequency_penalty is not None
         or presence_penalty is not None
     )
+    pen_in_place = pen_in_place and has_pen
     has_bias = logit_bias_counts is not None
     if seeds is None:
         seed_mode = 0
@@ -1262,7 +1283,7 @@ def _fused_sample_into_impl(
     nc = cdiv(V, chunk)
     topn = num_logprobs > 0
     need_raw = mode in (1, 2)
-    raw_cands = need_raw and topn and (has_pen or has_bias)
+    raw_cands = need_raw and topn and ((has_pen and not pen_in_place) or has_bias)
     dummy = logits
     args = (
         logits,
@@ -1306,7 +1327,7 @@ def _fused_sample_into_impl(
         HAS_FREQ=frequency_penalty is not None,
         HAS_PRES=presence_penalty is not None,
         HAS_SLOTS=state_slots is not None,
-        HAS_PEN=has_pen,
+        HAS_PEN=has_pen and not pen_in_place,
         HAS_OUT_MASK=has_pen and output_bin_mask is not None,
         HAS_BIAS=has_bias,
         SEED_MODE=seed_mode,
@@ -1323,6 +1344,7 @@ def _fused_sample_into_impl(
         CAP=cap,
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
+        PEN_IN_PLACE=pen_in_place,
         num_warps=chunk_warps or chunk_warps_for(chunk),
         **extra,
         **flags,
@@ -1358,28 +1380,37 @@ def _fused_sample_into_impl(
     )
 
 
+_WORKSPACE_ARGS = (
+    "stats_f",
+    "stats_i",
+    "cand",
+    "rcand",
+    "rand_seeds",
+    "token_ids",
+    "logprob",
+    "topn_ids",
+    "topn_logprobs",
+    "nan_rows",
+    "kept_threshold",
+    "kept_count",
+    "fallback_rows",
+    "scratch",
+)
 _fused_sample_into = torch.library.custom_op(
-    "fuselane::fused_sample_into",
-    mutates_args=(
-        "stats_f",
-        "stats_i",
-        "cand",
-        "rcand",
-        "rand_seeds",
-        "token_ids",
-        "logprob",
-        "topn_ids",
-        "topn_logprobs",
-        "nan_rows",
-        "kept_threshold",
-        "kept_count",
-        "fallback_rows",
-        "scratch",
-    ),
+    "fuselane::fused_sample_into", mutates_args=_WORKSPACE_ARGS
+)(_fused_sample_into_impl)
+# the same launch, declared as writing the logits (the penalties written in place)
+_fused_sample_into_pen_ = torch.library.custom_op(
+    "fuselane::fused_sample_into_pen_", mutates_args=("logits", *_WORKSPACE_ARGS)
 )(_fused_sample_into_impl)
 
 
 @_fused_sample_into.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@_fused_sample_into_pen_.register_fake
 def _(*args, **kwargs) -> None:
     return None
 
@@ -1402,8 +1433,9 @@ def fused_sample(
     logits_writable: the caller does not read `logits` afterwards (vLLM's V1 sampler penalizes
     its own fp32 logits in place too). With penalties on, fp32 logits, no logit bias and no raw
     log-probabilities asked for, the penalized values of the seen tokens are then written into
-    `logits` by a pre-pass (`sampling_penalties`) and the sampler runs its plain variant: the
-    same results, less work per value. Otherwise `logits` is never written.
+    `logits` (each chunk program rewrites its chunk's seen tokens, `sampling_penalties`, then
+    reads it as plain logits): the same results, less work per value. Otherwise `logits` is
+    never written.
     """
     _validate(logits, params, num_logprobs, logprobs_mode)
     B, V = logits.shape
@@ -1422,38 +1454,33 @@ def fused_sample(
         raise ValueError(f"num_logprobs: workspace allows up to {ws.max_logprobs}, got {n}")
     mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
     p = params
-    pen = p.has_penalties
-    rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-    pmask, counts, omask = p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask
-    if (
-        pen
+    in_place = (
+        p.has_penalties
         and logits_writable
         and logits.dtype == torch.float32
         and not p.has_bias  # vLLM biases before it penalizes
         and mode not in (1, 2)  # raw values are read from the logits
-    ):
-        compiling = use_custom_op(logits)
-        pre = penalize_seen_op if compiling else penalize_seen_
-        pre(logits, rep, freq, pres, p.state_slots, pmask, counts, omask)
-        pen = False
-        rep = freq = pres = pmask = counts = omask = None
-    chunk, warps, maxnreg = pick_launch(B, V, penalties=pen)
+    )
+    chunk, warps, maxnreg = pick_launch(B, V, penalties=p.has_penalties and not in_place)
     if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
         chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
-    into = _fused_sample_into if use_custom_op(logits) else _fused_sample_into_impl
+    if use_custom_op(logits):
+        into = _fused_sample_into_pen_ if in_place else _fused_sample_into
+    else:
+        into = _fused_sample_into_impl
     into(
         logits,
         p.temperature,
         p.top_k,
         p.top_p,
         p.min_p,
-        rep,
-        freq,
-        pres,
+        p.repetition_penalty,
+        p.frequency_penalty,
+        p.presence_penalty,
         p.state_slots,
-        pmask,
-        counts,
-        omask,
+        p.prompt_bin_mask,
+        p.output_bin_counts,
+        p.output_bin_mask,
         p.logit_bias_counts,
         p.logit_bias_token_ids,
         p.logit_bias_values,
@@ -1480,6 +1507,7 @@ def fused_sample(
         ws.cap,
         warps,
         maxnreg,
+        in_place,
     )
     return SampleOutput(
         token_ids=ws.token_ids[:B],

@@ -57,11 +57,9 @@ if str(ROOT) not in sys.path:
 try:  # an installed checkout (pip install -e .)
     from fuselane.benchmarks import harness
     from fuselane.kernels import sampling as smp
-    from fuselane.kernels import sampling_penalties as spen
 except ImportError:  # a bare checkout (the GPU machine): the root folders are packages
     from benchmarks import harness
     from kernels import sampling as smp
-    from kernels import sampling_penalties as spen
 
 T, K, P = 0.7, 50, 0.9
 CASES = [(1, 128256), (32, 128256), (256, 151936)]
@@ -77,10 +75,10 @@ SWEEP = {  # (chunk or 0 = the rule's, warps or 0 = the rule's, maxnreg or 0); b
     32: [(4096, 8, 0), (1024, 4, 0)],
     1: [(2048, 4, 0), (2048, 8, 0)],
 }  # fmt: skip
-PREPASS_WORDS = {256: (128, 256, 1024), 32: (128, 256, 1024)}  # besides the default (512)
-SWEEP_PEN = {  # the same with penalties and min-p
-    256: [(0, 0, 0), (2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (8192, 8, 0)],
-    32: [(0, 0, 128), (4096, 8, 0)],
+SWEEP_PEN = {  # the same with penalties (written in place, as timed) and min-p
+    256: [(4096, 4, 128), (4096, 8, 0), (2048, 4, 0)],
+    32: [(4096, 8, 0), (1024, 4, 0)],
+    1: [(2048, 4, 0)],
 }  # fmt: skip
 
 
@@ -412,25 +410,6 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
                 lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None),
                 nbytes=nbytes,
             )
-            default_words = spen.WORDS_PER_PROGRAM
-            for words in PREPASS_WORDS.get(B, ()):
-                spen.WORDS_PER_PROGRAM = words  # read by the launcher on every call
-                try:
-                    ok_w, summary_w, _ = compare(x, prm, ws, num_logprobs=None, writable=True)
-                    run.line(f"case {name} pre-pass words={words}", ok_w, summary_w)
-                    if ok_w:
-                        xs = x.clone()
-                        run.time(
-                            "sweep",
-                            name,
-                            f"fuselane pre-pass words={words}",
-                            lambda xs=xs: smp.fused_sample(
-                                xs, prm, workspace=ws, num_logprobs=None, logits_writable=True
-                            ),
-                            nbytes=nbytes,
-                        )
-                finally:
-                    spen.WORDS_PER_PROGRAM = default_words
             dense = smp.SamplingParamsTensors(**{**prm.__dict__, "output_bin_mask": None})
             xd = x.clone()
             run.time(
@@ -523,7 +502,7 @@ def run_sweep(run: Runner, gen) -> None:
 
 def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
     """Time `fused_sample` at other launch configurations (chunk, warps, register cap) than
-    the rule's, each checked first."""
+    the rule's, each checked first (penalty cases: logits writable, as timed)."""
     dev = run.device
     x = make_logits(B, V, gen, dev)
     prm = make_params(B, V, gen, dev, pen=pen)
@@ -544,16 +523,17 @@ def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
                 chunk_warps=warps,
                 maxnreg=maxnreg or None,
             )
-            ok, summary, info = compare(x, prm, ws, num_logprobs=None)
+            ok, summary, info = compare(x, prm, ws, num_logprobs=None, writable=pen)
             if not ok:
                 run.line(f"sweep {name} {impl}", ok, summary)
                 continue
+            xs = x.clone()
             run.time(
                 "sweep",
                 name,
                 impl,
-                lambda ws=ws, x=x, prm=prm: smp.fused_sample(
-                    x, prm, workspace=ws, num_logprobs=None
+                lambda ws=ws, xs=xs, prm=prm: smp.fused_sample(
+                    xs, prm, workspace=ws, num_logprobs=None, logits_writable=pen
                 ),
                 nbytes=x.numel() * 4,
                 extra={"fallback_rows_in_check": info["fallback_rows"]},

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from fuselane.kernels import sampling as smp
-from fuselane.kernels import sampling_penalties as spen
 from fuselane.kernels.sampling import (
     LOGPROBS_MODES,
     SamplingParamsTensors,
@@ -327,14 +326,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)  # bit patterns: NaN compares equal to itself
 
 
-@pytest.mark.parametrize("with_out_mask,words", [(True, 128), (False, None)])
-def test_penalties_written_in_place(with_out_mask, words, monkeypatch):
-    """logits_writable: the pre-pass writes exactly the reference's penalized values (seen
-    tokens only; NaN stays NaN, -inf stays -inf) and the sampler's outputs equal the read-only
-    path's bit for bit. V = 9001: a partial last word; three pre-pass programs per row at 128
-    words a program, one at the default."""
-    if words is not None:
-        monkeypatch.setattr(spen, "WORDS_PER_PROGRAM", words)
+@pytest.mark.parametrize("with_out_mask,chunk", [(True, 2048), (False, 1024)])
+def test_penalties_written_in_place(with_out_mask, chunk):
+    """logits_writable: the chunk programs write exactly the reference's penalized values
+    (seen tokens only; NaN stays NaN, -inf stays -inf) and the sampler's outputs equal the
+    read-only path's bit for bit. V = 9001: a partial last word and a partial last chunk."""
     B, V, S = 5, 9001, 7
     g = torch.Generator().manual_seed(21)
     prompts = torch.randint(0, V, (S, 300), generator=g)
@@ -364,7 +360,7 @@ def test_penalties_written_in_place(with_out_mask, words, monkeypatch):
         output_bin_counts=oc,
         output_bin_mask=om if with_out_mask else None,
     )
-    ws_r, ws_w = _ws(B, V, chunk=2048), _ws(B, V, chunk=2048)
+    ws_r, ws_w = _ws(B, V, chunk=chunk), _ws(B, V, chunk=chunk)
     for n, mode in ((None, "raw_logprobs"), (4, "processed_logprobs"), (2, "processed_logits")):
         xr, xw = x0.clone(), x0.clone()
         ref = fused_sample(xr, prm, workspace=ws_r, num_logprobs=n, logprobs_mode=mode)
@@ -384,7 +380,7 @@ def test_penalties_written_in_place(with_out_mask, words, monkeypatch):
             assert torch.equal(out.topn_ids, ref.topn_ids)
             assert torch.equal(_bits(out.topn_logprobs), _bits(ref.topn_logprobs))
     assert int(out.nan_rows[1]) == 1 and int(out.nan_rows[3]) == 1
-    _check(x0.clone(), prm, ws=_ws(B, V, chunk=2048), num_logprobs=4, mode="processed_logprobs")
+    _check(x0.clone(), prm, ws=_ws(B, V, chunk=chunk), num_logprobs=4, mode="processed_logprobs")
 
 
 def test_writable_logits_left_alone_where_the_prepass_does_not_apply():
@@ -618,9 +614,10 @@ def test_outputs_are_workspace_views_and_custom_op_fake():
             output_bin_counts=oc,
             output_bin_mask=om,
         )
-        # the pre-pass goes through its own op, declared as mutating the logits
+        # penalties written in place: the op variant declared as writing the logits
         fused_sample(torch.randn(B, V), pen, workspace=fake_ws, logits_writable=True)
-    assert smp.penalize_seen_op._opoverload._schema.arguments[0].alias_info.is_write
+    assert smp._fused_sample_into_pen_._opoverload._schema.arguments[0].alias_info.is_write
+    assert smp._fused_sample_into._opoverload._schema.arguments[0].alias_info is None
 
 
 def _bad(match, logits=None, prm=None, **kw):
