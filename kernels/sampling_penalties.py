@@ -54,9 +54,14 @@ def penalize_words(
         todo = todo | tl.load(prow + w, mask=wok, other=0)
     inv_rep = 1.0 / rep
     # One set bit per lane per step, lowest first: as many steps as the most bits one word
-    # holds, not 32.
-    left = tl.sum((todo != 0).to(tl.int32), axis=0)
-    while left > 0:
+    # holds, not 32. The count is taken once (SWAR popcount), so the steps need no barrier
+    # and each warp walks its words at its own pace.
+    u = todo.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    steps = tl.max(((u * 0x01010101) >> 24).to(tl.int32), axis=0)
+    for _ in range(steps):
         low = todo & (-todo)
         todo = todo ^ low
         # bit index = exponent of the (exact) fp32 value of the power of two
@@ -74,4 +79,3 @@ def penalize_words(
         if pres != 0.0:
             y = y - pres * obit.to(tl.float32)
         tl.store(xrow + tok, y, mask=hit)
-        left = tl.sum((todo != 0).to(tl.int32), axis=0)
