@@ -41,7 +41,9 @@ Algorithm (two launches):
   smallest of 16, or 8, super-group maxima; no sort), and only the rows reaching it are
   gathered again (cache hits, the same elementwise processing) for the exact cut and the
   compaction, so the whole chunk pays for the row maxima alone. Rows without any truncation
-  draw here directly (Gumbel argmax per chunk).
+  draw here directly (Gumbel argmax per chunk). With `logits_writable` (fp32, no bias, no raw
+  logprobs) the program first rewrites its chunk's seen tokens with their penalized values
+  (`sampling_penalties.penalize_words`), then reads the chunk as plain logits.
 * `_sample_combine_kernel`, grid (B,): merges the partials of a row. Thresholds are int32
   order-preserving keys: top-k by a bisection over the candidate list that stops once one listed
   key is left in its bracket; then the top-k / min-p survivors (at most 64) are gathered, and
@@ -122,6 +124,10 @@ MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
 # spills), which wins. So: a grid of at most one program per SM keeps whole 4096-chunks at
 # 8 warps (B=1: 32 programs); up to SMALL_CHUNK_PROGRAMS programs use 2048-chunks at 4 warps;
 # larger grids 4096-chunks at 4 warps, capped at 128 registers when penalties are on.
+# Penalties written in place (logits_writable) take the plain rule: the in-place sweep of
+# .notes/gpu-2026-11-25b/run4-sampling-fused-walk.json measured B=256 (4096, 4) 163.6,
+# (2048, 4) 198.9, (4096, 4, cap 128) 204.9, (4096, 8) 224.9; B=32 (2048, 4) 39.4, (4096, 8)
+# 40.2, (1024, 4) 51.3; B=1 (4096, 8) 25.1, (2048, 4) 25.0.
 CHUNK_SMALL = 2048
 CHUNK_LARGE = 4096
 ONE_WAVE_PROGRAMS = 132
