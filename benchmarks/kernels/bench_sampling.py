@@ -367,7 +367,9 @@ def flashinfer_peer(run: Runner):
     return fis
 
 
-def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) -> None:
+def bench_case(
+    run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict, peers: bool = True
+) -> None:
     dev = run.device
     name = case_name(B, V, pen)
     x = make_logits(B, V, gen, dev)
@@ -440,6 +442,8 @@ def bench_case(run: Runner, gen, B: int, V: int, pen: bool, fis, base_ms: dict) 
         q = torch.empty_like(probs).exponential_()
         return probs.div_(q).argmax(dim=-1)
 
+    if not peers:
+        return
     run.time("sampling", name, "torch-sort (vLLM fallback)", torch_sort, nbytes=nbytes)
     if fis is not None:
         z0 = (x / temp).contiguous()
@@ -573,6 +577,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     ap.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=None,
+        help="only the cases of these batch sizes (default: all of "
+        + str([b for b, _ in CASES])
+        + ")",
+    )
+    ap.add_argument("--no-peers", action="store_true", help="time fuselane only")
+    ap.add_argument(
         "--no-checks",
         action="store_true",
         help="skip the broad checks (each timed case is still checked on its own inputs)",
@@ -631,12 +645,17 @@ def main() -> int:
         traceback.print_exc()
         run.line("checks", False, f"raised {e!r}")
     print(f"checks done at {run.elapsed():.0f} s ({'all PASS' if run.ok else 'NOT all PASS'})")
-    fis = flashinfer_peer(run)
+    if args.batches:
+        bad = [b for b in args.batches if b not in dict(CASES)]
+        if bad:
+            ap.error(f"--batches: {bad} not among the cases {[b for b, _ in CASES]}")
+    cases = [(b, v) for b, v in CASES if not args.batches or b in args.batches]
+    fis = None if args.no_peers else flashinfer_peer(run)
     base_ms: dict[int, float] = {}
     sections: list[Callable[[], None]] = [
-        lambda b=b, v=v, p=p: bench_case(run, gen, b, v, p, fis, base_ms)
+        lambda b=b, v=v, p=p: bench_case(run, gen, b, v, p, fis, base_ms, not args.no_peers)
         for p in (False, True)
-        for b, v in CASES
+        for b, v in cases
     ]
     if not args.no_sweep:
         sections.append(lambda: run_sweep(run, gen))
