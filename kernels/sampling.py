@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sampling_penalties
 from ._checks import check_choice, check_tensor
 from ._launch import cdiv, launch, use_custom_op
 from .sampling_penalties import GROUP, penalize_words
@@ -203,6 +204,7 @@ def _sample_chunk_kernel(
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
     PEN_IN_PLACE: tl.constexpr,
+    BIT_STEPS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SEED_MODE: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
@@ -282,6 +284,7 @@ def _sample_chunk_kernel(
                 pres,
                 CHUNK // 32,
                 HAS_OUT_MASK,
+                BIT_STEPS,
             )
         tl.debug_barrier()  # every rewritten token stored before the chunk is read
     _tok, x, z, is_nan = process_tile(
@@ -1351,6 +1354,7 @@ def _fused_sample_into_impl(
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
         PEN_IN_PLACE=pen_in_place,
+        BIT_STEPS=sampling_penalties.BIT_STEPS if pen_in_place else 1,
         num_warps=chunk_warps or chunk_warps_for(chunk),
         **extra,
         **flags,

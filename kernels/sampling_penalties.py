@@ -17,6 +17,10 @@ import triton
 import triton.language as tl
 
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
+# Bit steps per loop iteration of `penalize_words`. 1 is the measured rule (B=256 +pen 156.9 us,
+# .notes/gpu-2026-11-25b/run5); 4 issues four steps' gathers together (compiled: the 8 loads
+# ahead of the 4 stores) and is swept by bench_sampling, not yet timed. Read at every launch.
+BIT_STEPS = 1
 
 
 @triton.jit
@@ -32,6 +36,7 @@ def penalize_words(
     pres,
     WORDS: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     """Penalize the seen tokens of packed words [w0, w0 + WORDS) of one row in place: xrow the
     row's fp32 logits, crow its output counts, prow / orow its prompt / output bit words (orow
@@ -46,8 +51,8 @@ def penalize_words(
         # the output bits from a coalesced read of the counts (distinct bits: sum = or)
         j = tl.arange(0, 32)[None, :]
         tok2 = w[:, None] * 32 + j
-        c2 = tl.load(crow + tok2, mask=tok2 < V, other=0)
-        ow = tl.sum(tl.where(c2 > 0, 1 << j, 0), axis=1)
+        dense = tl.load(crow + tok2, mask=tok2 < V, other=0)
+        ow = tl.sum(tl.where(dense > 0, 1 << j, 0), axis=1)
     # A token only in the prompt changes only under a repetition penalty.
     todo = ow
     if rep != 1.0:
@@ -55,27 +60,67 @@ def penalize_words(
     inv_rep = 1.0 / rep
     # One set bit per lane per step, lowest first: as many steps as the most bits one word
     # holds, not 32. The count is taken once (SWAR popcount), so the steps need no barrier
-    # and each warp walks its words at its own pace.
+    # and each warp walks its words at its own pace. STEPS = 1 or 4 steps per iteration.
     u = todo.to(tl.uint32, bitcast=True)
     u = u - ((u >> 1) & 0x55555555)
     u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
     u = (u + (u >> 4)) & 0x0F0F0F0F
     steps = tl.max(((u * 0x01010101) >> 24).to(tl.int32), axis=0)
-    for _ in range(steps):
-        low = todo & (-todo)
-        todo = todo ^ low
-        # bit index = exponent of the (exact) fp32 value of the power of two
-        lowf = low.to(tl.uint32, bitcast=True).to(tl.float32)
-        pos = (lowf.to(tl.int32, bitcast=True) >> 23) - 127
-        tok = w * 32 + pos
-        hit = (low != 0) & (tok < V)
-        obit = hit & (((ow >> pos) & 1) != 0)
-        y = tl.load(xrow + tok, mask=hit, other=0.0)
-        if rep != 1.0:
-            y = y * tl.where(y > 0, inv_rep, rep)
-        if freq != 0.0:
-            cnt = tl.load(crow + tok, mask=obit, other=0)
-            y = y - freq * cnt.to(tl.float32)
-        if pres != 0.0:
-            y = y - pres * obit.to(tl.float32)
-        tl.store(xrow + tok, y, mask=hit)
+    if STEPS == 4:
+        # four steps per iteration: their gathers are independent, all in flight at once
+        for _ in range(0, steps, 4):
+            todo, t0, h0, o0 = _next_bit(todo, w, ow, V)
+            todo, t1, h1, o1 = _next_bit(todo, w, ow, V)
+            todo, t2, h2, o2 = _next_bit(todo, w, ow, V)
+            todo, t3, h3, o3 = _next_bit(todo, w, ow, V)
+            y0 = tl.load(xrow + t0, mask=h0, other=0.0)
+            y1 = tl.load(xrow + t1, mask=h1, other=0.0)
+            y2 = tl.load(xrow + t2, mask=h2, other=0.0)
+            y3 = tl.load(xrow + t3, mask=h3, other=0.0)
+            c0 = tl.load(crow + t0, mask=o0, other=0)
+            c1 = tl.load(crow + t1, mask=o1, other=0)
+            c2 = tl.load(crow + t2, mask=o2, other=0)
+            c3 = tl.load(crow + t3, mask=o3, other=0)
+            tl.store(xrow + t0, _penalized(y0, c0, o0, rep, inv_rep, freq, pres), mask=h0)
+            tl.store(xrow + t1, _penalized(y1, c1, o1, rep, inv_rep, freq, pres), mask=h1)
+            tl.store(xrow + t2, _penalized(y2, c2, o2, rep, inv_rep, freq, pres), mask=h2)
+            tl.store(xrow + t3, _penalized(y3, c3, o3, rep, inv_rep, freq, pres), mask=h3)
+    else:
+        tl.static_assert(STEPS == 1, "STEPS: 1 or 4")
+        for _ in range(steps):
+            todo, tok, hit, obit = _next_bit(todo, w, ow, V)
+            y = tl.load(xrow + tok, mask=hit, other=0.0)
+            if rep != 1.0:
+                y = y * tl.where(y > 0, inv_rep, rep)
+            if freq != 0.0:
+                cnt = tl.load(crow + tok, mask=obit, other=0)
+                y = y - freq * cnt.to(tl.float32)
+            if pres != 0.0:
+                y = y - pres * obit.to(tl.float32)
+            tl.store(xrow + tok, y, mask=hit)
+
+
+@triton.jit
+def _next_bit(todo, w, ow, V):
+    """The lowest set bit of each word: (todo without it, its token, whether there is one,
+    whether it is an output token)."""
+    low = todo & (-todo)
+    # bit index = exponent of the (exact) fp32 value of the power of two
+    lowf = low.to(tl.uint32, bitcast=True).to(tl.float32)
+    pos = (lowf.to(tl.int32, bitcast=True) >> 23) - 127
+    tok = w * 32 + pos
+    hit = (low != 0) & (tok < V)
+    obit = hit & (((ow >> pos) & 1) != 0)
+    return todo ^ low, tok, hit, obit
+
+
+@triton.jit
+def _penalized(y, cnt, obit, rep, inv_rep, freq, pres):
+    """vLLM's order: repetition (every seen token), frequency, presence."""
+    if rep != 1.0:
+        y = y * tl.where(y > 0, inv_rep, rep)
+    if freq != 0.0:
+        y = y - freq * cnt.to(tl.float32)
+    if pres != 0.0:
+        y = y - pres * obit.to(tl.float32)
+    return y

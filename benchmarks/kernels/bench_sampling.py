@@ -57,9 +57,11 @@ if str(ROOT) not in sys.path:
 try:  # an installed checkout (pip install -e .)
     from fuselane.benchmarks import harness
     from fuselane.kernels import sampling as smp
+    from fuselane.kernels import sampling_penalties as spen
 except ImportError:  # a bare checkout (the GPU machine): the root folders are packages
     from benchmarks import harness
     from kernels import sampling as smp
+    from kernels import sampling_penalties as spen
 
 T, K, P = 0.7, 50, 0.9
 CASES = [(1, 128256), (32, 128256), (256, 151936)]
@@ -412,6 +414,25 @@ def bench_case(
                 lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None),
                 nbytes=nbytes,
             )
+            rule_steps = spen.BIT_STEPS
+            for steps in sorted({1, 4} - {rule_steps}):
+                spen.BIT_STEPS = steps  # read at every launch
+                try:
+                    ok_s, summary_s, _ = compare(x, prm, ws, num_logprobs=None, writable=True)
+                    run.line(f"case {name} bit steps {steps}", ok_s, summary_s)
+                    if ok_s:
+                        xs = x.clone()
+                        run.time(
+                            "sweep",
+                            name,
+                            f"fuselane ({steps} bit steps per iteration)",
+                            lambda xs=xs: smp.fused_sample(
+                                xs, prm, workspace=ws, num_logprobs=None, logits_writable=True
+                            ),
+                            nbytes=nbytes,
+                        )
+                finally:
+                    spen.BIT_STEPS = rule_steps
             dense = smp.SamplingParamsTensors(**{**prm.__dict__, "output_bin_mask": None})
             xd = x.clone()
             run.time(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fuselane.kernels import sampling as smp
+from fuselane.kernels import sampling_penalties as spen
 from fuselane.kernels.sampling import (
     LOGPROBS_MODES,
     SamplingParamsTensors,
@@ -326,11 +327,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)  # bit patterns: NaN compares equal to itself
 
 
-@pytest.mark.parametrize("with_out_mask,chunk", [(True, 2048), (False, 4096)])
-def test_penalties_written_in_place(with_out_mask, chunk):
+@pytest.mark.parametrize("with_out_mask,chunk,bit_steps", [(True, 2048, 1), (False, 4096, 4)])
+def test_penalties_written_in_place(with_out_mask, chunk, bit_steps, monkeypatch):
     """logits_writable: the chunk programs write exactly the reference's penalized values
     (seen tokens only; NaN stays NaN, -inf stays -inf) and the sampler's outputs equal the
-    read-only path's bit for bit. V = 9001: a partial last word and a partial last chunk."""
+    read-only path's bit for bit. V = 9001: a partial last word (31 bits set) and a partial
+    last chunk; one and four bit steps per iteration."""
+    monkeypatch.setattr(spen, "BIT_STEPS", bit_steps)
     B, V, S = 5, 9001, 7
     g = torch.Generator().manual_seed(21)
     prompts = torch.randint(0, V, (S, 300), generator=g)
