@@ -164,6 +164,20 @@ def test_penalties_and_logit_bias_match_stock(scen):
         assert tokens[2] != 8 and tokens[3] == 100, (name, tokens)  # biases -100 and +12
 
 
+def test_penalties_written_in_place_match_stock(scen):
+    """Penalties without bias or logprobs: fuselane writes the penalized values of the seen
+    tokens into the runner's fp32 logits and still draws stock V2's tokens; with bias or
+    logprobs in the batch (penalties_bias) the logits are left alone."""
+    boosted = scen["penalties_bias_boosted"]
+    for step, run in enumerate(scen["penalties_in_place"]):
+        name = f"penalties_in_place step {step}"
+        _assert_fused(name, run)
+        _assert_same(name, run)
+        assert run["logits_written"], name
+        assert run["fused"]["tokens"][0] not in boosted, (name, run["fused"]["tokens"], boosted)
+    assert not any(run["logits_written"] for run in scen["penalties_bias"])
+
+
 def test_raw_logits_mode_is_exact(scen):
     for step, run in enumerate(scen["raw_logits"]):
         _assert_fused(f"raw_logits step {step}", run)

@@ -147,11 +147,14 @@ class Bench:
         )
         t1 = time.time()
         sampler_hook.reset_counters()
-        fused = _summary(self.sampler(logits.clone(), batch))
+        given = logits.clone()
+        fused = _summary(self.sampler(given, batch))
         t2 = time.time()
         return {
             "stock": stock,
             "fused": fused,
+            # penalties written into the logits tensor the runner passed (logits_writable)
+            "logits_written": not given.equal(logits),
             "counts": sampler_hook.counters(),
             "seconds": [round(t1 - t0, 3), round(t2 - t1, 3)],
         }
@@ -272,6 +275,25 @@ def scenarios(timings: dict[str, float]) -> dict[str, Any]:
         runs.append(bench.run(logits, bench.batch(step)))
     out["penalties_bias"] = runs
     out["penalties_bias_boosted"] = boosted
+    # Penalties alone, no logprobs: the logits are written in place (fp32, no bias).
+    bench = Bench()
+    bench.add(
+        [
+            SP(
+                temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4
+            ),
+            SP(temperature=0.8, repetition_penalty=0.8, seed=1),
+            SP(temperature=1.0, presence_penalty=-2.0, frequency_penalty=0.3, seed=4),
+        ],
+        hist[:3],
+        [10, 10, 8],
+    )
+    runs = []
+    for step in range(2):
+        logits = _logits(len(bench.slots), step)
+        logits[0, boosted] = logits[0].max() + torch.tensor([0.5, 0.3])
+        runs.append(bench.run(logits, bench.batch(step)))
+    out["penalties_in_place"] = runs
     out["raw_logits"] = _steps(
         plain(
             [SP(temperature=0.0, logprobs=3), SP(temperature=0.9, seed=9)],
