@@ -90,14 +90,10 @@ def penalize_words(
         for _ in range(steps):
             todo, tok, hit, obit = _next_bit(todo, w, ow, V)
             y = tl.load(xrow + tok, mask=hit, other=0.0)
-            if rep != 1.0:
-                y = y * tl.where(y > 0, inv_rep, rep)
+            cnt = tl.zeros_like(tok)
             if freq != 0.0:
                 cnt = tl.load(crow + tok, mask=obit, other=0)
-                y = y - freq * cnt.to(tl.float32)
-            if pres != 0.0:
-                y = y - pres * obit.to(tl.float32)
-            tl.store(xrow + tok, y, mask=hit)
+            tl.store(xrow + tok, _penalized(y, cnt, obit, rep, inv_rep, freq, pres), mask=hit)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ Order of work, in one process on one device:
 
 fuselane is timed as the V2 plugin would call it: every row seeded (V2 keeps a seed per
 request), no logprobs (the peers compute none), so with penalties the logits are writable
-(`logits_writable`: the seen tokens penalized in place by a pre-pass); one extra row per base
+(`logits_writable`: each chunk program penalizes its seen tokens in place); one extra row per base
 case adds raw logprobs with the top 5, one per penalty case keeps the logits read-only
 (penalties applied to every value by the sampler itself). Bytes counted: the logits read
 once (plus the dense output counts where they are read). Peers: FlashInfer 0.2.14
@@ -296,7 +296,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
                 ok, summary, _ = compare(x, prm, ws, mode=mode)
                 run.line(f"{name} {mode}", ok, summary)
             if opt.get("pen"):
-                for n in (None, 5):  # the in-place penalty pre-pass (processed modes only)
+                for n in (None, 5):  # penalties written in place (processed modes only)
                     ok, summary, _ = compare(x, prm, ws, num_logprobs=n, writable=True)
                     run.line(f"{name} logits_writable num_logprobs={n}", ok, summary)
         except Exception as e:  # noqa: BLE001 - a crash is a failure, reported like one
@@ -418,19 +418,8 @@ def bench_case(
             for steps in sorted({1, 4} - {rule_steps}):
                 spen.BIT_STEPS = steps  # read at every launch
                 try:
-                    ok_s, summary_s, _ = compare(x, prm, ws, num_logprobs=None, writable=True)
-                    run.line(f"case {name} bit steps {steps}", ok_s, summary_s)
-                    if ok_s:
-                        xs = x.clone()
-                        run.time(
-                            "sweep",
-                            name,
-                            f"fuselane ({steps} bit steps per iteration)",
-                            lambda xs=xs: smp.fused_sample(
-                                xs, prm, workspace=ws, num_logprobs=None, logits_writable=True
-                            ),
-                            nbytes=nbytes,
-                        )
+                    impl = f"fuselane ({steps} bit steps per iteration)"
+                    checked_time(run, name, impl, x, prm, ws, True)
                 finally:
                     spen.BIT_STEPS = rule_steps
             dense = smp.SamplingParamsTensors(**{**prm.__dict__, "output_bin_mask": None})
@@ -525,6 +514,26 @@ def run_sweep(run: Runner, gen) -> None:
                 return
 
 
+def checked_time(run: Runner, name: str, impl: str, x, prm, ws, writable: bool) -> None:
+    """Check `fused_sample` on x against the reference, then time it (on a copy of x when
+    writable: the timed calls penalize it in place); a failed check is reported, not timed."""
+    ok, summary, info = compare(x, prm, ws, num_logprobs=None, writable=writable)
+    if not ok:
+        run.line(f"sweep {name} {impl}", ok, summary)
+        return
+    xs = x.clone() if writable else x
+    run.time(
+        "sweep",
+        name,
+        impl,
+        lambda: smp.fused_sample(
+            xs, prm, workspace=ws, num_logprobs=None, logits_writable=writable
+        ),
+        nbytes=x.numel() * x.element_size(),
+        extra={"fallback_rows_in_check": info["fallback_rows"]},
+    )
+
+
 def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
     """Time `fused_sample` at other launch configurations (chunk, warps, register cap) than
     the rule's, each checked first (penalty cases: logits writable, as timed)."""
@@ -548,21 +557,7 @@ def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
                 chunk_warps=warps,
                 maxnreg=maxnreg or None,
             )
-            ok, summary, info = compare(x, prm, ws, num_logprobs=None, writable=pen)
-            if not ok:
-                run.line(f"sweep {name} {impl}", ok, summary)
-                continue
-            xs = x.clone()
-            run.time(
-                "sweep",
-                name,
-                impl,
-                lambda ws=ws, xs=xs, prm=prm: smp.fused_sample(
-                    xs, prm, workspace=ws, num_logprobs=None, logits_writable=pen
-                ),
-                nbytes=x.numel() * 4,
-                extra={"fallback_rows_in_check": info["fallback_rows"]},
-            )
+            checked_time(run, name, impl, x, prm, ws, pen)
         except Exception as e:  # noqa: BLE001 - keep the other configurations
             run.note(f"sweep {name} {impl}: {e!r}")
             torch.cuda.synchronize()
@@ -624,6 +619,10 @@ def main() -> int:
         help="no GPU: run the checks on tiny shapes under the Triton interpreter",
     )
     args = ap.parse_args()
+    if args.batches:
+        bad = [b for b in args.batches if b not in dict(CASES)]
+        if bad:
+            ap.error(f"--batches: {bad} not among the cases {[b for b, _ in CASES]}")
     t_start = time.perf_counter()
     if args.cpu_smoke:
         run = Runner(None, torch.device("cpu"), t_start, timing=False)
@@ -666,10 +665,6 @@ def main() -> int:
         traceback.print_exc()
         run.line("checks", False, f"raised {e!r}")
     print(f"checks done at {run.elapsed():.0f} s ({'all PASS' if run.ok else 'NOT all PASS'})")
-    if args.batches:
-        bad = [b for b in args.batches if b not in dict(CASES)]
-        if bad:
-            ap.error(f"--batches: {bad} not among the cases {[b for b, _ in CASES]}")
     cases = [(b, v) for b, v in CASES if not args.batches or b in args.batches]
     fis = None if args.no_peers else flashinfer_peer(run)
     base_ms: dict[int, float] = {}

@@ -239,18 +239,26 @@ def test_exact_fallback_paths():
     assert (out.fallback_rows & 1).all() and (out.fallback_rows & 2).any()
 
 
-def test_fallback_raw_topn_with_penalties():
-    B, V = 3, 700
-    pm, oc, _om = penalty_state_from_v1(torch.randint(0, V, (B, 30)), [[1, 2, 2], [], [5] * 9], V)
-    prm = _params(
-        B,
-        temperature=torch.tensor([0.8, 1.0, 0.0]),
-        top_k=torch.tensor([40, 3, 0]),
+def _three_row_penalties(V: int, *, with_out_mask: bool) -> dict:
+    """Penalty fields for 3 rows: 30 random prompt ids each, outputs [1, 2, 2], [], [5] x 9."""
+    pm, oc, om = penalty_state_from_v1(torch.randint(0, V, (3, 30)), [[1, 2, 2], [], [5] * 9], V)
+    return dict(
         repetition_penalty=torch.tensor([1.3, 1.0, 0.9]),
         frequency_penalty=torch.tensor([0.2, 0.0, 0.1]),
         presence_penalty=torch.tensor([0.1, 0.5, 0.0]),
         prompt_bin_mask=pm,
         output_bin_counts=oc,
+        output_bin_mask=om if with_out_mask else None,
+    )
+
+
+def test_fallback_raw_topn_with_penalties():
+    B, V = 3, 700
+    prm = _params(
+        B,
+        temperature=torch.tensor([0.8, 1.0, 0.0]),
+        top_k=torch.tensor([40, 3, 0]),
+        **_three_row_penalties(V, with_out_mask=False),
     )
     x = _logits(B, V, seed=5)
     _check(
@@ -386,20 +394,12 @@ def test_penalties_written_in_place(with_out_mask, chunk, bit_steps, monkeypatch
     _check(x0.clone(), prm, ws=_ws(B, V, chunk=chunk), num_logprobs=4, mode="processed_logprobs")
 
 
-def test_writable_logits_left_alone_where_the_prepass_does_not_apply():
+def test_writable_logits_left_alone_where_in_place_penalties_do_not_apply():
     """Raw log-probabilities read the logits, bias comes before penalties, bf16 cannot hold
     the penalized values: in each case the logits stay as they were and the result is the
     read-only one."""
     B, V = 3, 700
-    pm, oc, om = penalty_state_from_v1(torch.randint(0, V, (B, 30)), [[1, 2, 2], [], [5] * 9], V)
-    pen = dict(
-        repetition_penalty=torch.tensor([1.3, 1.0, 0.9]),
-        frequency_penalty=torch.tensor([0.2, 0.0, 0.1]),
-        presence_penalty=torch.tensor([0.1, 0.5, 0.0]),
-        prompt_bin_mask=pm,
-        output_bin_counts=oc,
-        output_bin_mask=om,
-    )
+    pen = _three_row_penalties(V, with_out_mask=True)
     counts, toks, vals = logit_bias_from_dicts({0: {3: 2.0}}, B, "cpu")
     bias = dict(logit_bias_counts=counts, logit_bias_token_ids=toks, logit_bias_values=vals)
     cases = [

@@ -446,7 +446,7 @@ def test_sampling_check_of_penalties_written_in_place(tel):
         x = logits.clone()
         seam(None, sampling_kernels.fused_sample, x, params, num_logprobs=None,
              logits_writable=True)  # fmt: skip
-        assert not torch.equal(x, logits)  # the pre-pass ran
+        assert not torch.equal(x, logits)  # the penalties were written in place
     tel.flush()
     assert value("fuselane_numerical_checks_total", result="pass", **labels) == passed + b
     assert value("fuselane_numerical_checks_total", result="fail", **labels) == failed

@@ -194,6 +194,19 @@ def _steps(bench: Bench, steps: int, **kw: Any) -> list[dict[str, Any]]:
     return [bench.run(_logits(len(bench.slots), s, **kw), bench.batch(s)) for s in range(steps)]
 
 
+def _boosted_steps(bench: Bench, boosted: list[int], steps: int) -> list[dict[str, Any]]:
+    """Steps whose row 0 has the `boosted` tokens just above its best logit: only penalties
+    keep them from being chosen."""
+    import torch
+
+    runs = []
+    for step in range(steps):
+        logits = _logits(len(bench.slots), step)
+        logits[0, boosted] = logits[0].max() + torch.tensor([0.5, 0.3])
+        runs.append(bench.run(logits, bench.batch(step)))
+    return runs
+
+
 class _Timed(dict):
     """A dict that records, per key, the seconds since the previous key was set (diagnostics)."""
 
@@ -268,12 +281,7 @@ def scenarios(timings: dict[str, float]) -> dict[str, Any]:
     # Row 0 (greedy) gets one prompt token and one earlier-output token pushed just above its
     # best logit: only the penalties keep them from being chosen.
     boosted = [hist[0][0], next(t for t in hist[0][10:] if t not in hist[0][:10])]
-    runs = []
-    for step in range(3):
-        logits = _logits(len(bench.slots), step)
-        logits[0, boosted] = logits[0].max() + torch.tensor([0.5, 0.3])
-        runs.append(bench.run(logits, bench.batch(step)))
-    out["penalties_bias"] = runs
+    out["penalties_bias"] = _boosted_steps(bench, boosted, 3)
     out["penalties_bias_boosted"] = boosted
     # Penalties alone, no logprobs: the logits are written in place (fp32, no bias).
     bench = Bench()
@@ -288,12 +296,7 @@ def scenarios(timings: dict[str, float]) -> dict[str, Any]:
         hist[:3],
         [10, 10, 8],
     )
-    runs = []
-    for step in range(2):
-        logits = _logits(len(bench.slots), step)
-        logits[0, boosted] = logits[0].max() + torch.tensor([0.5, 0.3])
-        runs.append(bench.run(logits, bench.batch(step)))
-    out["penalties_in_place"] = runs
+    out["penalties_in_place"] = _boosted_steps(bench, boosted, 2)
     out["raw_logits"] = _steps(
         plain(
             [SP(temperature=0.0, logprobs=3), SP(temperature=0.9, seed=9)],
