@@ -126,9 +126,9 @@ MAX_LOGPROBS = 128  # top-n beyond this is left to vLLM's own path
 # 8 warps (B=1: 32 programs); up to SMALL_CHUNK_PROGRAMS programs use 2048-chunks at 4 warps;
 # larger grids 4096-chunks at 4 warps, capped at 128 registers when penalties are on.
 # Penalties written in place (logits_writable) take the plain rule: the in-place sweep of
-# .notes/gpu-2026-11-25b/run4-sampling-fused-walk.json measured B=256 (4096, 4) 163.6,
-# (2048, 4) 198.9, (4096, 4, cap 128) 204.9, (4096, 8) 224.9; B=32 (2048, 4) 39.4, (4096, 8)
-# 40.2, (1024, 4) 51.3; B=1 (4096, 8) 25.1, (2048, 4) 25.0.
+# benchmarks/results/sampling-h100-80gb-hbm3-2026-11-25-fused-walk-sweep.json measured
+# B=256 (4096, 4) 163.6, (2048, 4) 198.9, (4096, 4, cap 128) 204.9, (4096, 8) 224.9;
+# B=32 (2048, 4) 39.4, (4096, 8) 40.2, (1024, 4) 51.3; B=1 (4096, 8) 25.1, (2048, 4) 25.0.
 CHUNK_SMALL = 2048
 CHUNK_LARGE = 4096
 ONE_WAVE_PROGRAMS = 132

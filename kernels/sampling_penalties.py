@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
-# Bit steps per loop iteration of `penalize_words`. 1 is the measured rule (B=256 +pen 156.9 us,
-# .notes/gpu-2026-11-25b/run5); 4 issues four steps' gathers together (compiled: the 8 loads
-# ahead of the 4 stores) and is swept by bench_sampling, not yet timed. Read at every launch.
+# Bit steps per loop iteration of `penalize_words`. 1 is the measured rule (B=256 +pen
+# 156.9 us, benchmarks/results/sampling-h100-80gb-hbm3-2026-11-25-in-place.json); 4 issues
+# four steps' gathers together (compiled: the 8 loads ahead of the 4 stores) and is swept by
+# bench_sampling, not yet timed. Read at every launch.
 BIT_STEPS = 1
 
 
