@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 GROUP = 32  # tokens per word of the packed prompt/output bit masks
-# Bit steps per loop iteration of `penalize_words`. 1 is the measured rule (B=256 +pen
-# 156.9 us, benchmarks/results/sampling-h100-80gb-hbm3-2026-11-25-in-place.json); 4 issues
-# four steps' gathers together (compiled: the 8 loads ahead of the 4 stores) and is swept by
-# bench_sampling, not yet timed. Read at every launch.
-BIT_STEPS = 1
+# Bit steps per loop iteration of `penalize_words`: 4 issues four steps' gathers together (the
+# 8 loads ahead of the 4 stores), so a chunk whose words hold at most 4 seen tokens waits for
+# one round of gathers instead of up to four. B=256 +pen+min-p on an H200
+# (benchmarks/results/sampling-h200-2026-11-25.json): 145.4 us with 4 against 149.4 with 1
+# (plain case 115.9); B=1 / 32 equal within 0.3 us. Read at every launch.
+BIT_STEPS = 4
 
 
 @triton.jit
