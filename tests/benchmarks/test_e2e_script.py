@@ -172,13 +172,26 @@ def test_compare_correctness(e2e):
     c = e2e.compare_correctness(ref, other)
     assert c["token_agreement"] == pytest.approx(5 / 6)
     assert [p["first_divergence"] for p in c["per_prompt"]] == [None, 1]
-    assert c["divergences_near_tie"] == 1 and c["divergences_not_near_tie"] == 0
+    assert c["divergences"] == 1 and c["per_prompt"][1]["ref_gap_at_div"] == pytest.approx(0.005)
     assert c["max_abs_logprob_diff_generated"] == pytest.approx(0.01)
     assert c["max_abs_logprob_diff_prompt"] == pytest.approx(0.01)
     v = e2e.correctness_verdict(c, same)
     assert v["ok"] and v["tolerance"]["logprob_atol"] == e2e.LOGPROB_ATOL
+    assert v["checks"]["divergences_beyond_tolerance"]["tie_tolerance"] == e2e.LOGPROB_ATOL
     bad = dict(c, max_abs_logprob_diff_prompt=0.5)
     assert not e2e.correctness_verdict(bad, same)["ok"]
+    # A divergence whose reference gap exceeds the generated-logprob bound fails; TRITON_ATTN's
+    # own deviation (x TRITON_FACTOR) widens that bound.
+    wide = _corr([[4, 5, 6]], [[{"4": -1.0}, {"5": -1.0, "7": -1.1}, {"6": -0.5}]])
+    flip = _corr([[4, 7, 6]], [[{"4": -1.0}, {"7": -0.9}, {"6": -0.5}]])
+    cw = e2e.compare_correctness(wide, flip)
+    v = e2e.correctness_verdict(cw, same)
+    assert not v["ok"] and v["checks"]["divergences_beyond_tolerance"]["prompt_lens"] == [4]
+    triton = dict(same, max_abs_logprob_diff_generated=0.06)
+    assert e2e.correctness_verdict(cw, triton)["ok"]  # 0.1 <= 2 x 0.06
+    # The other engine's token outside the reference's top list: never within tolerance.
+    far = _corr([[4, 8, 6]], [[{"4": -1.0}, {"8": -0.9}, {"6": -0.5}]])
+    assert not e2e.correctness_verdict(e2e.compare_correctness(wide, far), triton)["ok"]
     assert "error" in e2e.compare_correctness(None, ref)
 
 
@@ -335,3 +348,10 @@ def test_termination_stops_the_engines_it_started(tmp_path):
         if engine_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(engine_pid, signal.SIGKILL)
+
+
+def test_lone_prefills_fit_the_engine(e2e):
+    assert max(e2e.LONE_PREFILL_LENS) + 1 <= e2e.MAX_MODEL_LEN
+    kw = e2e.engine_kwargs(e2e.make_arms(["fuselane"])[0], "m", profile=True)
+    assert kw["profiler_config"]["profiler"] == "torch"
+    assert "profiler_config" not in e2e.engine_kwargs(e2e.make_arms(["fuselane"])[0], "m")
