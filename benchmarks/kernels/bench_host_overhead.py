@@ -20,6 +20,9 @@ vLLM's unified Triton attention and its Triton KV write, FlashInfer's paged pref
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -106,6 +109,11 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
         attn.paged_attention(out=out, workspace=workspace, **a)
 
     add(case, "fuselane", fuselane)
+
+    def unchecked():
+        attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
+
+    add(case, "fuselane (unchecked, as the backend calls it)", unchecked)
     # the same launches through Triton's `kernel[grid]`: what the direct launch saves
     _launch.DIRECT = False
     try:
@@ -183,10 +191,59 @@ def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) ->
         add(case, "vllm-triton", lambda: vllm_write(key, value, kc, vc, slots, "auto", one, one))
 
 
+def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, out_dir: Path):
+    """`host_profile` of the attention call and the KV write of one case, as the backend makes
+    them (unchecked), written to out_dir/host_profile-<case>.txt."""
+    out = torch.empty_like(p.q)
+    a = p.args()
+    tokens = sum(p.q_lens)
+    key = torch.randn(tokens, ba.HKV, ba.D, device="cuda", dtype=ba.DTYPE)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_slots, device="cuda")[:tokens]
+    text = [
+        "attention (paged_attention_unchecked)",
+        host_profile(lambda: attn.paged_attention_unchecked(out=out, workspace=workspace, **a),
+                     cycles_per_ms),
+        "kv write (kv_cache_update_unchecked)",
+        host_profile(lambda: kvk.kv_cache_update_unchecked(key, value, p.key_cache,
+                                                           p.value_cache, slots), cycles_per_ms),
+    ]  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"host_profile-{case.replace(' ', '_').replace('=', '')}.txt"
+    path.write_text("\n".join(text))
+    print(f"wrote {path}", flush=True)
+
+
+def host_profile(fn: Callable[[], object], cycles_per_ms: float, calls: int = 2000) -> str:
+    """cProfile of `calls` calls of `fn` while the GPU is kept busy (as `host_us`): where the
+    host time of one call goes, function by function (top 30 by own time)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    done = 0
+    while done < calls:
+        torch.cuda._sleep(int(100.0 * cycles_per_ms))  # the GPU stays busy for the next batch
+        prof.enable()
+        for _ in range(CALLS):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        done += CALLS
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return f"{done} calls\n{buf.getvalue()}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
     parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also write a cProfile of the unchecked attention call and the KV write per case",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_host_overhead needs a CUDA device", file=sys.stderr)
@@ -237,6 +294,8 @@ def main() -> int:
         p = ba.make_problem(q_lens, lens, gen, kv=pool)
         bench_attention_case(case, p, workspace, peers, add, add_part)
         bench_write_case(f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add, add_part)
+        if args.cprofile:
+            profile_case(case, p, workspace, pool.shape[0] * ba.PAGE, cycles_per_ms, args.out)
     for out_dir in (args.out, None):
         print(f"wrote {report.write(out_dir)}")
     return 0
