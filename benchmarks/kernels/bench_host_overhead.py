@@ -23,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -211,7 +212,7 @@ def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, 
                                                            p.value_cache, slots), cycles_per_ms),
     ]  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"host_profile-{case.replace(' ', '_').replace('=', '')}.txt"
+    path = out_dir / f"host_profile-{re.sub(r'[^A-Za-z0-9_.-]+', '_', case)}.txt"
     path.write_text("\n".join(text))
     print(f"wrote {path}", flush=True)
 
