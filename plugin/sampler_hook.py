@@ -252,6 +252,12 @@ V1_WARM_PARAM_SETS = (
 V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
 )  # fmt: skip
+# A batch asking for logprobs runs other kernel variants than one asking none: 0 (the chosen
+# token's) and any n >= 1 (top-n) are one variant each. Start-up also compiles those for greedy
+# and the usual sampling mix; otherwise the first request with `logprobs` stalls its step for
+# the compile (vLLM 0.26's JIT monitor named both sampling kernels on an H200, 2026-11-26).
+WARM_LOGPROBS = (0, 1)
+WARM_LOGPROB_PARAM_SETS = (("temperature",), ("temperature", "top_k", "top_p"))
 
 
 def _warm_up(
@@ -263,14 +269,20 @@ def _warm_up(
     from fuselane.kernels import sampling
 
     key = ("sampling", runner, str(logits.device), logits.dtype, ws.vocab, ws.max_batch, n, mode)
-    return warmup.once(
-        "sampling",
-        key,
-        logits.device,
-        lambda: sampling.warm_up(
+
+    def compile_all() -> int:
+        calls = sampling.warm_up(
             params, ws, logits.dtype, param_sets=param_sets, num_logprobs=n, logprobs_mode=mode
-        ),
-    )
+        )
+        for extra in WARM_LOGPROBS:
+            if extra != n:
+                calls += sampling.warm_up(
+                    params, ws, logits.dtype, param_sets=WARM_LOGPROB_PARAM_SETS,
+                    num_logprobs=extra, logprobs_mode=mode,
+                )  # fmt: skip
+        return calls
+
+    return warmup.once("sampling", key, logits.device, compile_all)
 
 
 def make_v1_sampler(base: type) -> type:
