@@ -1025,6 +1025,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _topn_width(num_logprobs: int) -> int:
+    """Entries of the combine kernel's top-n list (TP): a power of two >= num_logprobs, and at
+    least 2: Triton 3.6's `tl.topk(x, 1)` does not compile for the GPU (its last merge step
+    reduces the list to a scalar and the reshape after it fails), so a request for one logprob
+    takes the top two and stores one."""
+    return max(2, _next_pow2(max(1, num_logprobs)))
+
+
 def chunk_warps_for(chunk: int) -> int:
     """Warps that give the chunk kernel 16 fp32 values per thread (1 to 16)."""
     return max(1, min(16, chunk // 512))
@@ -1114,7 +1122,7 @@ class SamplingWorkspace:
         ws.kept_threshold = torch.zeros(max_batch, dtype=f32, device=device)
         ws.kept_count = torch.zeros(max_batch, dtype=i32, device=device)
         ws.fallback_rows = torch.zeros(max_batch, dtype=i32, device=device)
-        ws.scratch = torch.zeros(max_batch * 2 * _next_pow2(nlp), dtype=i64, device=device)
+        ws.scratch = torch.zeros(max_batch * 2 * _topn_width(nlp), dtype=i64, device=device)
         return ws
 
 
@@ -1360,7 +1368,7 @@ def _fused_sample_into_impl(
         **flags,
     )
     nc_pad = _next_pow2(nc)
-    tp = _next_pow2(max(1, num_logprobs))
+    tp = _topn_width(num_logprobs)
     launch(
         _sample_combine_kernel,
         (B,),

@@ -500,7 +500,9 @@ def test_mixed_greedy_random_bf16():
 
 @pytest.mark.parametrize(
     "mode,n",
-    [(m, 5) for m in LOGPROBS_MODES] + [("raw_logprobs", 0), ("processed_logprobs", None)],
+    [(m, 5) for m in LOGPROBS_MODES]
+    + [("raw_logprobs", 0), ("raw_logprobs", 1), ("processed_logprobs", 1)]
+    + [("processed_logprobs", None)],
 )
 def test_logprobs_modes(mode, n):
     B, V = 4, 800
@@ -512,7 +514,10 @@ def test_logprobs_modes(mode, n):
         top_k=torch.tensor([20, 0, 3, 0], dtype=torch.int32),
         min_p=torch.tensor([0.0, 0.0, 0.0, 0.05]),
     )
-    out, _ref = _check(x, prm, ws=_ws(B, V, chunk=256), num_logprobs=n, mode=mode)
+    # n = 1: a workspace sized for exactly one logprob (its scratch holds the top-2 list the
+    # kernel builds for one)
+    ws = _ws(B, V, chunk=256, **({"max_logprobs": 1} if n == 1 else {}))
+    out, _ref = _check(x, prm, ws=ws, num_logprobs=n, mode=mode)
     if n is None:
         assert out.logprob is None and out.topn_ids is None
     if n and mode == "processed_logprobs":
