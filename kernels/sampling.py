@@ -1025,12 +1025,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _topn_width(num_logprobs: int) -> int:
-    """Entries of the combine kernel's top-n list (TP): a power of two >= num_logprobs, and at
-    least 2: Triton 3.6's `tl.topk(x, 1)` does not compile for the GPU (its last merge step
-    reduces the list to a scalar and the reshape after it fails), so a request for one logprob
-    takes the top two and stores one."""
-    return max(2, _next_pow2(max(1, num_logprobs)))
+def _topn_width(max_logprobs: int) -> int:
+    """Entries of the combine kernel's top-n list (TP) for a workspace of `max_logprobs`: a
+    power of two >= it, and at least 2: Triton 3.6's `tl.topk(x, 1)` does not compile for the
+    GPU (its last merge step reduces the list to a scalar and the reshape after it fails), so a
+    workspace for one logprob takes the top two and stores one."""
+    return max(2, _next_pow2(max(1, max_logprobs)))
 
 
 def chunk_warps_for(chunk: int) -> int:
@@ -1368,7 +1368,10 @@ def _fused_sample_into_impl(
         **flags,
     )
     nc_pad = _next_pow2(nc)
-    tp = _topn_width(num_logprobs)
+    # The workspace's top-n width (its scratch holds 2 x width entries a row), not the
+    # request's: every num_logprobs > 0 runs one combine-kernel variant, which start-up compiles
+    # (a width per request had vLLM compile one mid-serving for the first logprobs=5 batch).
+    tp = scratch.numel() // (2 * token_ids.numel())
     launch(
         _sample_combine_kernel,
         (B,),

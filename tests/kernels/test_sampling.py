@@ -717,3 +717,24 @@ def test_warm_up_runs_each_parameter_set_at_each_configuration(monkeypatch):
     assert calls == len(seen) == len(smp.launch_batches(3, 300)) * len(sets)
     assert {s[1] for s in seen} == set(sets)
     assert all(s[2] and s[3] is None for s in seen)
+
+
+def test_one_combine_variant_for_every_logprob_count(monkeypatch):
+    """The combine kernel's top-n width comes from the workspace, not the request: batches
+    asking 1, 3 or 8 logprobs run one compiled variant (the one start-up compiles)."""
+    seen = []
+    real = smp.launch
+
+    def spy(fn, grid, *args, **kwargs):
+        if fn is smp._sample_combine_kernel:
+            seen.append(kwargs["TP"])
+        return real(fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(smp, "launch", spy)
+    B, V = 2, 300
+    x = _logits(B, V, seed=5)
+    prm = _params(B, temperature=torch.tensor([0.0, 0.9]))
+    ws = _ws(B, V, max_logprobs=8)
+    for n in (1, 3, 8):
+        _check(x, prm, ws=ws, num_logprobs=n)
+    assert seen == [8, 8, 8]
