@@ -1025,12 +1025,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _topn_width(max_logprobs: int) -> int:
-    """Entries of the combine kernel's top-n list (TP) for a workspace of `max_logprobs`: a
-    power of two >= it, and at least 2: Triton 3.6's `tl.topk(x, 1)` does not compile for the
-    GPU (its last merge step reduces the list to a scalar and the reshape after it fails), so a
-    workspace for one logprob takes the top two and stores one."""
-    return max(2, _next_pow2(max(1, max_logprobs)))
+# Widths of the combine kernel's top-n list (TP, powers of two): a request for n logprobs runs
+# the narrowest that holds n, so a serving run meets at most these few combine-kernel variants
+# (a width per power of two had vLLM compile one mid-serving for the first logprobs=5 batch
+# after start-up compiled another). None below 2: Triton 3.6's `tl.topk(x, 1)` does not
+# compile for the GPU (its last merge step reduces the list to a scalar and the reshape after
+# it fails). The widest, MAX_LOGPROBS, costs the most per row: only requests above 32 use it.
+TOPN_WIDTHS = (8, 32, MAX_LOGPROBS)
+
+
+def _topn_width(num_logprobs: int) -> int:
+    """The top-n list width for `num_logprobs` (<= MAX_LOGPROBS; 0 gets the narrowest)."""
+    return next(w for w in TOPN_WIDTHS if w >= num_logprobs)
 
 
 def chunk_warps_for(chunk: int) -> int:
@@ -1368,10 +1374,7 @@ def _fused_sample_into_impl(
         **flags,
     )
     nc_pad = _next_pow2(nc)
-    # The workspace's top-n width (its scratch holds 2 x width entries a row), not the
-    # request's: every num_logprobs > 0 runs one combine-kernel variant, which start-up compiles
-    # (a width per request had vLLM compile one mid-serving for the first logprobs=5 batch).
-    tp = scratch.numel() // (2 * token_ids.numel())
+    tp = _topn_width(num_logprobs)  # the workspace's scratch holds its widest list a row
     launch(
         _sample_combine_kernel,
         (B,),

@@ -253,10 +253,12 @@ V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
 )  # fmt: skip
 # A batch asking for logprobs runs other kernel variants than one asking none: 0 (the chosen
-# token's) and any n >= 1 (top-n) are one variant each. Start-up also compiles those for greedy
-# and the usual sampling mix; otherwise the first request with `logprobs` stalls its step for
-# the compile (vLLM 0.26's JIT monitor named both sampling kernels on an H200, 2026-11-26).
-WARM_LOGPROBS = (0, 1)
+# token's) is one, and top-n one per list width (kernels.sampling.TOPN_WIDTHS: up to 8, up to
+# 32). Start-up also compiles those for greedy and the usual sampling mix; otherwise the first
+# request with `logprobs` stalls its step for the compile (vLLM 0.26's JIT monitor named both
+# sampling kernels on an H200, 2026-11-26). Above 32 (vLLM allows 20 by default) the first
+# such request compiles the widest.
+WARM_LOGPROBS = (0, 1, 9)
 WARM_LOGPROB_PARAM_SETS = (("temperature",), ("temperature", "top_k", "top_p"))
 
 

@@ -719,9 +719,9 @@ def test_warm_up_runs_each_parameter_set_at_each_configuration(monkeypatch):
     assert all(s[2] and s[3] is None for s in seen)
 
 
-def test_one_combine_variant_for_every_logprob_count(monkeypatch):
-    """The combine kernel's top-n width comes from the workspace, not the request: batches
-    asking 1, 3 or 8 logprobs run one compiled variant (the one start-up compiles)."""
+def test_logprob_counts_share_a_few_combine_variants(monkeypatch):
+    """The combine kernel's top-n width is the narrowest of TOPN_WIDTHS that holds the request:
+    1 to 8 logprobs run one compiled variant, 9 to 32 another (both compiled at start-up)."""
     seen = []
     real = smp.launch
 
@@ -734,7 +734,7 @@ def test_one_combine_variant_for_every_logprob_count(monkeypatch):
     B, V = 2, 300
     x = _logits(B, V, seed=5)
     prm = _params(B, temperature=torch.tensor([0.0, 0.9]))
-    ws = _ws(B, V, max_logprobs=8)
-    for n in (1, 3, 8):
+    ws = _ws(B, V, max_logprobs=9)
+    for n in (1, 3, 8, 9):
         _check(x, prm, ws=ws, num_logprobs=n)
-    assert seen == [8, 8, 8]
+    assert seen == [8, 8, 8, 32]

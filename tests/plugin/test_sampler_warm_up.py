@@ -31,7 +31,7 @@ def test_warm_up_covers_requests_asking_logprobs(monkeypatch):
     calls = _warmed(monkeypatch, None)
     plain = [(s, n) for s, n, _ in calls if n is None]
     assert [s for s, _ in plain] == list(sampler_hook.V1_WARM_PARAM_SETS)
-    for extra in (0, 1):  # 0: the chosen token's; 1: any top-n
+    for extra in (0, 1, 9):  # 0: the chosen token's; 1 / 9: the two narrow top-n widths
         assert [s for s, n, _ in calls if n == extra] == list(sampler_hook.WARM_LOGPROB_PARAM_SETS)
     assert {m for _, _, m in calls} == {"raw_logprobs"}
     # every logprob set is one the plain list warms too (same parameters, other variant)
@@ -40,5 +40,5 @@ def test_warm_up_covers_requests_asking_logprobs(monkeypatch):
 
 def test_warm_up_does_not_repeat_the_first_calls_logprobs(monkeypatch):
     calls = _warmed(monkeypatch, 1)
-    assert sorted({n for _, n, _ in calls}) == [0, 1]
+    assert sorted({n for _, n, _ in calls}) == [0, 1, 9]
     assert sum(1 for _, n, _ in calls if n == 1) == len(sampler_hook.V1_WARM_PARAM_SETS)
