@@ -253,12 +253,12 @@ V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
 )  # fmt: skip
 # A batch asking for logprobs runs other kernel variants than one asking none: 0 (the chosen
-# token's) is one, and top-n one per list width (kernels.sampling.TOPN_WIDTHS: up to 8, up to
-# 32). Start-up also compiles those for greedy and the usual sampling mix; otherwise the first
-# request with `logprobs` stalls its step for the compile (vLLM 0.26's JIT monitor named both
-# sampling kernels on an H200, 2026-11-26). Above 32 (vLLM allows 20 by default) the first
-# such request compiles the widest.
-WARM_LOGPROBS = (0, 1, 9)
+# token's) is one, and top-n one per list width (kernels.sampling.TOPN_WIDTHS). Start-up also
+# compiles 0 and the two narrowest widths (up to 8, up to 32) for greedy and the usual
+# sampling mix; otherwise the first request with `logprobs` stalls its step for the compile
+# (vLLM 0.26's JIT monitor named both sampling kernels on an H200, 2026-11-26). Above 32 (vLLM
+# allows 20 by default) the first such request compiles the widest.
+WARM_TOPN_WIDTHS = 2
 WARM_LOGPROB_PARAM_SETS = (("temperature",), ("temperature", "top_k", "top_p"))
 
 
@@ -276,7 +276,9 @@ def _warm_up(
         calls = sampling.warm_up(
             params, ws, logits.dtype, param_sets=param_sets, num_logprobs=n, logprobs_mode=mode
         )
-        for extra in WARM_LOGPROBS:
+        # the smallest logprob count of each list width: 1, then one past each narrower width
+        firsts = (1, *(w + 1 for w in sampling.TOPN_WIDTHS[:-1]))
+        for extra in (0, *firsts[:WARM_TOPN_WIDTHS]):
             if extra != n:
                 calls += sampling.warm_up(
                     params, ws, logits.dtype, param_sets=WARM_LOGPROB_PARAM_SETS,

@@ -118,11 +118,11 @@ def profile_prefills(
     out: dict[str, Any] = {}
     for n in lens:
         (prompt,) = prompts_of(1, n, 9000 + n)
-        before = set(trace_files(trace_dir)) if trace_dir.exists() else set()
+        before = set(trace_files(trace_dir))  # a folder not made yet globs to nothing
         start(f"prefill{n}")
         generate_one(prompt)
         stop()
-        new = [p for p in trace_files(trace_dir) if p not in before] if trace_dir.exists() else []
+        new = [p for p in trace_files(trace_dir) if p not in before]
         # The engine's worker writes its trace; the frontend's (CPU only) has no kernels.
         summaries = [summarize_trace(p) for p in new]
         with_kernels = [s for s in summaries if s.get("kernels")]

@@ -163,12 +163,16 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
         peers.note(f"{case} flashinfer failed: {e!r}")
 
 
-def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) -> None:
-    """The step's new tokens written to random free slots of the pool."""
+def new_tokens(p, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key, value, slots) of the step's new tokens: random K/V for random free slots."""
     tokens = sum(p.q_lens)
     key = torch.randn(tokens, ba.HKV, ba.D, device="cuda", dtype=ba.DTYPE)
-    value = torch.randn_like(key)
-    slots = torch.randperm(num_slots, device="cuda")[:tokens]
+    return key, torch.randn_like(key), torch.randperm(num_slots, device="cuda")[:tokens]
+
+
+def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) -> None:
+    """The step's new tokens written to random free slots of the pool."""
+    key, value, slots = new_tokens(p, num_slots)
     kc, vc = p.key_cache, p.value_cache
 
     def fuselane():
@@ -199,10 +203,7 @@ def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, 
     them (unchecked), written to out_dir/host_profile-<case>.txt."""
     out = torch.empty_like(p.q)
     a = p.args()
-    tokens = sum(p.q_lens)
-    key = torch.randn(tokens, ba.HKV, ba.D, device="cuda", dtype=ba.DTYPE)
-    value = torch.randn_like(key)
-    slots = torch.randperm(num_slots, device="cuda")[:tokens]
+    key, value, slots = new_tokens(p, num_slots)
     text = [
         "attention (paged_attention_unchecked)",
         host_profile(lambda: attn.paged_attention_unchecked(out=out, workspace=workspace, **a),
