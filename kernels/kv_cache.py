@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FP8_E4M3, FP8_E4M3_MAX, check_choice, check_tensor
-from ._launch import cdiv, launch, next_pow2, use_custom_op
+from ._launch import LaunchCache, cdiv, launch, next_pow2, use_custom_op
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -829,12 +829,31 @@ def kv_cache_update_unchecked(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """`kv_cache_update` without its argument checks, for eager callers that passed the same
-    kind of arguments through `kv_cache_update` once (vLLM's backend, layer by layer)."""
+    kind of arguments through `kv_cache_update` once (vLLM's backend, layer by layer).
+
+    A call with the same slot_mapping object, shapes and dtypes as an earlier one replays its
+    launch with its own key, value, caches and scales (`WRITE_LAUNCHES`, a `LaunchCache`):
+    vLLM's layers after the first of each step."""
     if use_custom_op(key):  # traced: the checked custom-op path
         kv_cache_update(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
+    # Everything the launch depends on besides the layer's own tensors (see LaunchCache).
+    cache_key = (
+        id(slot_mapping), key.shape, key.stride(), key.dtype, value.shape, value.stride(),
+        value.dtype, key_cache.shape, key_cache.stride(), value_cache.shape, value_cache.stride(),
+        key_cache.dtype, value_cache.dtype, k_scale is None, v_scale is None,
+    )  # fmt: skip
+    slots = (key, value, key_cache, value_cache, k_scale, v_scale)
+    if WRITE_LAUNCHES.replay(cache_key, slots):
+        return
     fp8 = key_cache.dtype == FP8_E4M3
-    _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
+    with WRITE_LAUNCHES.record(cache_key, slots, (slot_mapping,)):
+        _launch_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, fp8)
+
+
+# The unchecked write's recent launches: vLLM's layers after the first of a step replay the
+# first one's (same slot mapping and shapes; their own key, value and caches).
+WRITE_LAUNCHES = LaunchCache()
 
 
 def warm_up_write(

@@ -250,7 +250,12 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
             # vLLM has no separate KV-update op per layer (one eager op fewer between its
             # piecewise CUDA graphs on prefill and mixed steps). Rows past the slot mapping's
             # length (graph padding) are not written.
-            self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
+            if self._fuselane_kv_write:
+                self._fuselane_write(
+                    key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale
+                )
+            else:
+                self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
         args = (query[:n], key_cache, value_cache, output[:n], md.query_start_loc, md.seq_lens,
                 md.block_table)  # fmt: skip
         options = dict(

@@ -19,6 +19,7 @@ resolves in each process.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -104,18 +105,34 @@ class FuselaneKVWriteMixin:
 
     _fuselane_kv_write: bool = True
     _fuselane_write_checked: bool = False  # set on the instance after its first write
+    # The last cache split into K/V views (a weak reference: a cache vLLM replaces, e.g. on
+    # wake-up, is not kept alive) and its views; vLLM hands a layer the same cache every step.
+    _fuselane_views_of: Any = None
+    _fuselane_views: Any = None
+    _fuselane_fp8_of: Any = None  # (kv_cache_dtype, is fp8)
 
     def _fuselane_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """key_cache, value_cache `[num_blocks, block_size, Hkv, D]` views (fp8 retyped)."""
+        views_of = self._fuselane_views_of
+        if views_of is not None and views_of() is kv_cache:
+            return self._fuselane_views
         key_cache, value_cache = vc.split_kv_cache(kv_cache, self.head_size)
         if self._fuselane_fp8 and key_cache.dtype != torch.float8_e4m3fn:
             key_cache = key_cache.view(torch.float8_e4m3fn)
             value_cache = value_cache.view(torch.float8_e4m3fn)
+        self._fuselane_views_of = weakref.ref(kv_cache)
+        self._fuselane_views = (key_cache, value_cache)
         return key_cache, value_cache
 
     @property
     def _fuselane_fp8(self) -> bool:
-        return vc.is_fp8_kv_cache(self.kv_cache_dtype)
+        known = self._fuselane_fp8_of
+        if known is None or known[0] != self.kv_cache_dtype:
+            known = self._fuselane_fp8_of = (
+                self.kv_cache_dtype,
+                vc.is_fp8_kv_cache(self.kv_cache_dtype),
+            )
+        return known[1]
 
     def _fuselane_scales(self, layer: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self._fuselane_fp8:
@@ -142,6 +159,20 @@ class FuselaneKVWriteMixin:
             return None
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
+        self._fuselane_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return None
+
+    def _fuselane_write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        """fuselane's write into the caches' K/V views, through the telemetry seam."""
         # Validated on this layer's first call only (as the attention call; host time per
         # layer is step time on vLLM's eager path).
         write = (
@@ -153,7 +184,6 @@ class FuselaneKVWriteMixin:
             None, write, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         )  # fmt: skip
         self._fuselane_write_checked = True
-        return None
 
     def fused_rope_kvcache_supported(self) -> bool:
         """vLLM fuses RoPE into the KV write only where this says so (0.33: ROCm pass only)."""

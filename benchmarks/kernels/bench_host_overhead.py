@@ -12,7 +12,9 @@ end-to-end workloads:
   host-device sync, which would serialize host and GPU time on every layer);
 - gpu_us: device microseconds per call (CUDA-graph replay, as the other kernel benchmarks).
 
-Rows: fuselane's attention, its KV write, their host-side parts (argument checks, launch plan),
+Rows: fuselane's attention and its KV write (checked; unchecked as a step's first layer calls
+them, launched and recorded; unchecked as the later layers do, replaying that recording), their
+host-side parts (argument checks, launch plan),
 vLLM's unified Triton attention and its Triton KV write, FlashInfer's paged prefill `run`
 (its per-step `plan` reported separately: vLLM calls it once per step, not per layer).
 """
@@ -114,7 +116,13 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     def unchecked():
         attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
 
-    add(case, "fuselane (unchecked, as the backend calls it)", unchecked)
+    def unchecked_recorded():
+        attn.LAUNCHES.clear()  # every call is a step's first layer: launched and recorded
+        unchecked()
+
+    add(case, "fuselane (unchecked, a step's first layer)", unchecked_recorded)
+    add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
+    attn.LAUNCHES.clear()
     # the same launches through Triton's `kernel[grid]`: what the direct launch saves
     _launch.DIRECT = False
     try:
@@ -127,6 +135,16 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     fuselane()
     ok, detail = expected.check(out)
     peers.note(f"{case}: fuselane output after direct launches {'PASS' if ok else 'FAIL'} "
+               f"({detail})")  # fmt: skip
+    # a replay writes into its own output: record with one, replay into another (poisoned)
+    attn.LAUNCHES.clear()
+    unchecked()
+    replayed = torch.full_like(out, float("nan"))
+    hits = attn.LAUNCHES.hits
+    attn.paged_attention_unchecked(out=replayed, workspace=workspace, **a)
+    ok, detail = expected.check(replayed)
+    ok = ok and attn.LAUNCHES.hits == hits + 1
+    peers.note(f"{case}: fuselane output of a replayed launch {'PASS' if ok else 'FAIL'} "
                f"({detail})")  # fmt: skip
     check_args = (
         a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
@@ -170,7 +188,7 @@ def new_tokens(p, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return key, torch.randn_like(key), torch.randperm(num_slots, device="cuda")[:tokens]
 
 
-def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) -> None:
+def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part, note) -> None:
     """The step's new tokens written to random free slots of the pool."""
     key, value, slots = new_tokens(p, num_slots)
     kc, vc = p.key_cache, p.value_cache
@@ -192,7 +210,29 @@ def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part) ->
     same = torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0)) and torch.equal(
         got_v.nan_to_num(7.0), want_v.nan_to_num(7.0)
     )
-    print(f"NOTE {case}: fuselane write after direct launches {'PASS' if same else 'FAIL'}")
+    note(f"{case}: fuselane write after direct launches {'PASS' if same else 'FAIL'}")
+
+    def unchecked():
+        kvk.kv_cache_update_unchecked(key, value, kc, vc, slots)
+
+    def unchecked_recorded():
+        kvk.WRITE_LAUNCHES.clear()
+        unchecked()
+
+    add(case, "fuselane (unchecked, a step's first layer)", unchecked_recorded)
+    add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
+    # a replay writes into its own caches: recorded on one pair, replayed on fresh ones
+    kvk.WRITE_LAUNCHES.clear()
+    kvk.kv_cache_update_unchecked(key, value, want_k.clone(), want_v.clone(), slots)
+    got_k.fill_(float("nan"))
+    got_v.fill_(float("nan"))
+    hits = kvk.WRITE_LAUNCHES.hits
+    kvk.kv_cache_update_unchecked(key, value, got_k, got_v, slots)
+    same = kvk.WRITE_LAUNCHES.hits == hits + 1 and all(
+        torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))
+        for g, w in ((got_k, want_k), (got_v, want_v))
+    )
+    note(f"{case}: fuselane write of a replayed launch {'PASS' if same else 'FAIL'}")
     if vllm_write is not None:
         one = torch.ones((), dtype=torch.float32, device="cuda")
         add(case, "vllm-triton", lambda: vllm_write(key, value, kc, vc, slots, "auto", one, one))
@@ -297,7 +337,8 @@ def main() -> int:
     for case, (q_lens, lens) in CASES.items():
         p = ba.make_problem(q_lens, lens, gen, kv=pool)
         bench_attention_case(case, p, workspace, peers, add, add_part)
-        bench_write_case(f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add, add_part)
+        bench_write_case(f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add,
+                         add_part, peers.note)  # fmt: skip
         if args.cprofile:
             profile_case(case, p, workspace, pool.shape[0] * ba.PAGE, cycles_per_ms, args.out)
     for out_dir in (args.out, None):
