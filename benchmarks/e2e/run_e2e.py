@@ -964,7 +964,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--probe-only",
         action="store_true",
-        help="offline engines time lone prefills only (no correctness pass, no workloads)",
+        help="offline engines time lone prefills only (no correctness pass, no workloads, "
+        "no servers)",
     )
     p.add_argument(
         "--profile",
@@ -983,7 +984,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=["offline"], help=argparse.SUPPRESS)
     p.add_argument("--worker-arm", help=argparse.SUPPRESS)
     p.add_argument("--worker-result", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.probe_only and args.online_only:
+        p.error("--probe-only times offline engines; it cannot go with --online-only")
+    # The probe is an offline measurement: no servers after it.
+    args.skip_online = args.skip_online or args.probe_only
+    return args
 
 
 def apply_smoke() -> None:

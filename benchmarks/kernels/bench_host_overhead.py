@@ -244,14 +244,30 @@ def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, 
     out = torch.empty_like(p.q)
     a = p.args()
     key, value, slots = new_tokens(p, num_slots)
+
+    def attention():
+        attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
+
+    def write():
+        kvk.kv_cache_update_unchecked(key, value, p.key_cache, p.value_cache, slots)
+
+    def first(fn: Callable[[], object], cache) -> Callable[[], object]:
+        def call():
+            cache.clear()  # a step's first layer: launched and recorded
+            fn()
+
+        return call
+
     text = [
-        "attention (paged_attention_unchecked)",
-        host_profile(lambda: attn.paged_attention_unchecked(out=out, workspace=workspace, **a),
-                     cycles_per_ms),
-        "kv write (kv_cache_update_unchecked)",
-        host_profile(lambda: kvk.kv_cache_update_unchecked(key, value, p.key_cache,
-                                                           p.value_cache, slots), cycles_per_ms),
-    ]  # fmt: skip
+        "attention (paged_attention_unchecked), later layers: replayed",
+        host_profile(attention, cycles_per_ms),
+        "attention (paged_attention_unchecked), a step's first layer: launched and recorded",
+        host_profile(first(attention, attn.LAUNCHES), cycles_per_ms),
+        "kv write (kv_cache_update_unchecked), later layers: replayed",
+        host_profile(write, cycles_per_ms),
+        "kv write (kv_cache_update_unchecked), a step's first layer: launched and recorded",
+        host_profile(first(write, kvk.WRITE_LAUNCHES), cycles_per_ms),
+    ]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"host_profile-{re.sub(r'[^A-Za-z0-9_.-]+', '_', case)}.txt"
     path.write_text("\n".join(text))

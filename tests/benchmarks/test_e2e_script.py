@@ -35,6 +35,11 @@ def test_args_defaults_and_flags(e2e, monkeypatch):
     monkeypatch.setenv("OUT", "/x")
     a = e2e.parse_args(["--quick", "--dry-run", "--arms", "FLASH_ATTN", "fuselane"])
     assert (a.quick, a.dry_run, a.out, a.arms) == (True, True, "/x", ["FLASH_ATTN", "fuselane"])
+    assert not a.skip_online
+    # the lone-prefill probe is offline only: no servers after it, and not with --online-only
+    assert e2e.parse_args(["--probe-only"]).skip_online
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--probe-only", "--online-only"])
 
 
 def test_workloads_and_quick(e2e):
