@@ -14,6 +14,10 @@ under the argument specialization Triton's own binder computes (dtypes, 16-byte 
 integer widths and divisibility, constexpr values) plus the launch options; later calls with the
 same specialization launch that kernel directly. Any registered launch hook (a profiler such as
 Proton) or the interpreter sends every call through `fn[grid]`.
+
+`LaunchCache` goes one step further for vLLM's layer loop: it records the launches of one call
+and replays them for calls that differ only in the addresses of some tensors (each layer's own
+query, caches and output), leaving out everything between the call and the driver.
 """
 
 from __future__ import annotations

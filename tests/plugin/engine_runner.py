@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2)
     ]
     result["counts"] = dict(counts)
+    # Layers after a step's first replay its recorded launches (kernels/_launch.LaunchCache).
+    from fuselane.kernels import attention, kv_cache
+
+    result["launch_replays"] = {
+        "attention": attention.LAUNCHES.hits,
+        "kv_cache": kv_cache.WRITE_LAUNCHES.hits,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -29,6 +29,15 @@ def test_fuselane_engine_runs_fuselane_kernels(fuselane_run):
     assert kv == attention, counts
     assert attention % NUM_LAYERS == 0, counts
     assert "fuselane kernels active: attention, kv_cache" in log
+    # The second layer of every step after a layer's first (checked) call replays the first
+    # layer's launches: with two layers, about half the unchecked calls.
+    replays = result["launch_replays"]
+    assert replays["attention"] > 0 and replays["kv_cache"] > 0, replays
+
+
+def test_stock_engine_replays_nothing(stock_run):
+    result, _ = stock_run
+    assert result["launch_replays"] == {"attention": 0, "kv_cache": 0}
 
 
 def test_stock_engine_runs_no_fuselane_kernel(stock_run):
