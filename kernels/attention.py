@@ -336,6 +336,14 @@ PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
     128: (256, 64, 8, 5),
     256: (64, 64, 8, 2),
 }
+# The same 256x64 tile with 16 warps: four warpgroups of 64 rows share each K/V tile, 128
+# registers a thread (56 B of spills at sm_90a, against 255 registers and 128 B at 8 warps)
+# and half the instructions. H200, 2026-11-26 (attention-h200-2026-11-26-prefill-sweep.json,
+# TFLOP/s at S = 4k / 8k / 16k): 414.2 / 443.8 / 439.2 against 398.7 / 430.5 / 447.2 for 8
+# warps; 3 stages 379.5 / 406.8 / 416.8; 128x64 8 warps 5 stages 355.0 / 387.5 / 395.7. So 16
+# warps for queries up to the longest measured gain, 8 beyond it.
+PREFILL_TILE_16_WARPS = (256, 64, 16, 5)
+PREFILL_16_WARPS_MAX_QUERY_LEN = 8192
 PREFILL_HEAD_FAST = True
 # Short prefills: 256-row tiles leave SMs idle (a 512-token prompt of Hkv=8, GQA 4 is 8 q blocks
 # x 8 heads = 64 programs on 132 SMs; vLLM 0.26 e2e on the H200, 2026-11-22: p50 TTFT 1.3-1.5x
@@ -346,14 +354,25 @@ PREFILL_MIN_PROGRAMS = 2
 
 
 def _prefill_tile(
-    group: int, head_size: int, programs: int | None = None, sms: int = CPU_SM_COUNT
+    group: int,
+    head_size: int,
+    programs: int | None = None,
+    sms: int = CPU_SM_COUNT,
+    max_query_len: int | None = None,
 ) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the prefill kernel (PREFILL_TILES).
     `programs`: the large tile's program count for the launch, when known; below
-    PREFILL_MIN_PROGRAMS x `sms` the small tile is used."""
+    PREFILL_MIN_PROGRAMS x `sms` the small tile is used. `max_query_len`: the launch's longest
+    query, when known; up to PREFILL_16_WARPS_MAX_QUERY_LEN the D <= 128 tile runs 16 warps."""
     head_pad = next_pow2(head_size)
     bound = min(b for b in PREFILL_TILES if b >= head_pad)
     tile = PREFILL_TILES[bound]
+    if (
+        bound == 128
+        and max_query_len is not None
+        and max_query_len <= PREFILL_16_WARPS_MAX_QUERY_LEN
+    ):
+        tile = PREFILL_TILE_16_WARPS
     if programs is not None and programs < PREFILL_MIN_PROGRAMS * sms:
         small = PREFILL_SMALL_TILE
         if small[0] < tile[0] and small[0] >= next_pow2(group):
@@ -522,7 +541,9 @@ def _plan_launch(
         # Programs of the large tile, at most: every sequence as long as the longest query.
         large_rows = _prefill_tile(group, head_size)[0]
         programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, large_rows)
-        block_m, block_n, num_warps, num_stages = _prefill_tile(group, head_size, programs, sms)
+        block_m, block_n, num_warps, num_stages = _prefill_tile(
+            group, head_size, programs, sms, max_query_len
+        )
         prefill = PrefillConfig(
             block_m=block_m,
             block_n=block_n,
@@ -550,7 +571,7 @@ def reachable_plans(
     # Beyond this many sequences every plan is the unsplit 3-stage one.
     most_seqs = -(-NO_SPLIT_CTAS_PER_SM * sms // num_kv_heads) + 1
     plans: list[LaunchPlan] = []
-    for max_query_len in (1, 2, qpos_cap + 1, 1 << 20):
+    for max_query_len in (1, 2, qpos_cap + 1, PREFILL_16_WARPS_MAX_QUERY_LEN, 1 << 20):
         for num_seqs in range(1, most_seqs + 1):
             plan = plan_launch(
                 num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
