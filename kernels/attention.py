@@ -333,17 +333,21 @@ def decode_programs_per_sm(
 # the run-2 tile (not re-measured).
 PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
     64: (128, 64, 4, 3),
-    128: (256, 64, 8, 5),
+    128: (256, 64, 16, 7),
     256: (64, 64, 8, 2),
 }
-# The same 256x64 tile with 16 warps: four warpgroups of 64 rows share each K/V tile, 128
-# registers a thread (56 B of spills at sm_90a, against 255 registers and 128 B at 8 warps)
-# and half the instructions. H200, 2026-11-26 (attention-h200-2026-11-26-prefill-sweep.json,
-# TFLOP/s at S = 4k / 8k / 16k): 414.2 / 443.8 / 439.2 against 398.7 / 430.5 / 447.2 for 8
-# warps; 3 stages 379.5 / 406.8 / 416.8; 128x64 8 warps 5 stages 355.0 / 387.5 / 395.7. So 16
-# warps for queries up to the longest measured gain, 8 beyond it.
-PREFILL_TILE_16_WARPS = (256, 64, 16, 5)
-PREFILL_16_WARPS_MAX_QUERY_LEN = 8192
+# D <= 128, since 2026-11-26: the same 256x64 tile with 16 warps, four warpgroups of 64 rows
+# sharing each K/V tile (128 registers a thread, 56 B of spills at sm_90a, against 255
+# registers and 128 B at 8 warps; half the instructions), and 7 stages (two K/V tiles in
+# flight, 193 KiB of shared memory). H200 (attention-h200-2026-11-26-prefill-sweep*.json,
+# TFLOP/s at S = 4k / 8k / 16k): 16 warps 7 stages 416.9 / 448.3 / 463.2; 16 warps 5 stages
+# 414.2 / 443.8 / 439.2 and 418.3 / 442.9 / 447.4; 8 warps 5 stages (the previous rule)
+# 398.7 / 430.5 / 447.2 and 395.1 / 426.4 / 448.1; 16 warps 3 stages 379.5 / 406.8 / 416.8;
+# 256x32 16 warps 5 / 7 stages 380.4 / 404.2 / 411.3 and 372.3 / 402.0 / 399.7; 128x64 8 warps
+# 5 stages 355.0 / 387.5 / 395.7.
+# A device whose block shared memory cannot hold a tile takes fewer stages, then the small tile
+# (A100: 163 KiB per block; sm_89: 99 KiB).
+PREFILL_STAGE_FALLBACKS = (5, 3)
 PREFILL_HEAD_FAST = True
 # Short prefills: 256-row tiles leave SMs idle (a 512-token prompt of Hkv=8, GQA 4 is 8 q blocks
 # x 8 heads = 64 programs on 132 SMs; vLLM 0.26 e2e on the H200, 2026-11-22: p50 TTFT 1.3-1.5x
@@ -358,27 +362,53 @@ def _prefill_tile(
     head_size: int,
     programs: int | None = None,
     sms: int = CPU_SM_COUNT,
-    max_query_len: int | None = None,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+    kv_bytes: int = 2,
 ) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the prefill kernel (PREFILL_TILES).
     `programs`: the large tile's program count for the launch, when known; below
-    PREFILL_MIN_PROGRAMS x `sms` the small tile is used. `max_query_len`: the launch's longest
-    query, when known; up to PREFILL_16_WARPS_MAX_QUERY_LEN the D <= 128 tile runs 16 warps."""
+    PREFILL_MIN_PROGRAMS x `sms` the small tile is used. `max_smem`: the device's shared memory
+    per block (bytes): a tile that does not fit takes fewer stages (PREFILL_STAGE_FALLBACKS),
+    then the small tile."""
     head_pad = next_pow2(head_size)
     bound = min(b for b in PREFILL_TILES if b >= head_pad)
     tile = PREFILL_TILES[bound]
-    if (
-        bound == 128
-        and max_query_len is not None
-        and max_query_len <= PREFILL_16_WARPS_MAX_QUERY_LEN
-    ):
-        tile = PREFILL_TILE_16_WARPS
-    if programs is not None and programs < PREFILL_MIN_PROGRAMS * sms:
-        small = PREFILL_SMALL_TILE
-        if small[0] < tile[0] and small[0] >= next_pow2(group):
-            tile = small
+    small = PREFILL_SMALL_TILE
+    small_fits = small[0] < tile[0] and small[0] >= next_pow2(group)
+    if programs is not None and programs < PREFILL_MIN_PROGRAMS * sms and small_fits:
+        tile = small
     block_m, block_n, num_warps, num_stages = tile
-    return max(block_m, next_pow2(group)), block_n, num_warps, num_stages
+    block_m = max(block_m, next_pow2(group))
+    for stages in (num_stages, *(s for s in PREFILL_STAGE_FALLBACKS if s < num_stages)):
+        if prefill_smem_bytes(block_m, block_n, head_size, stages, kv_bytes) <= max_smem:
+            return block_m, block_n, num_warps, stages
+    if small_fits and tile != small:
+        return _prefill_tile(group, head_size, 0, sms, max_smem, kv_bytes)
+    return block_m, block_n, num_warps, min(PREFILL_STAGE_FALLBACKS)
+
+
+def prefill_smem_bytes(
+    block_m: int, block_n: int, head_size: int, num_stages: int, kv_bytes: int
+) -> int:
+    """Shared memory of the prefill kernel: the decode kernel's layout (q tile, P tile and
+    kv_buffers(num_stages) K/V tiles with their block-table entries; 164352 bytes for 256x64
+    at D=128, 5 stages, as compiled for sm_90a)."""
+    return decode_smem_bytes(block_m, block_n, head_size, num_stages, kv_bytes)
+
+
+@functools.cache
+def _cuda_smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", SMEM_PER_BLOCK_MAX))
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (bytes; read once per device); Hopper's
+    opt-in limit off-GPU."""
+    if device.type != "cuda":
+        return SMEM_PER_BLOCK_MAX
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_smem_per_block(index)
 
 
 def split_cost(pairs: int, splits: int, slots: int) -> float:
@@ -457,16 +487,18 @@ def plan_launch(
     sms: int,
     workspace: AttentionWorkspace | None,
     kv_bytes: int = 2,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
 ) -> LaunchPlan:
     """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
 
-    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). Memoized: every layer of
-    a step asks the same question, and on the eager (piecewise-graph) path vLLM runs attention
-    in, host time per layer is step time.
+    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). max_smem: shared memory
+    per block of the device (`smem_per_block`). Memoized: every layer of a step asks the same
+    question, and on the eager (piecewise-graph) path vLLM runs attention in, host time per
+    layer is step time.
     """
     return _plan_launch(
         num_seqs, num_q_heads, num_kv_heads, head_size, max_query_len, sms,
-        split_room(workspace), kv_bytes,
+        split_room(workspace), kv_bytes, max_smem,
     )  # fmt: skip
 
 
@@ -479,6 +511,7 @@ def decode_schedules(
     sms: int,
     workspace: SplitRoom | None,
     kv_bytes: int,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
 ) -> list[tuple[float, int, int]]:
     """The decode schedules that fit one block's shared memory, as (wave fill of the unsplit
     batch, num_stages, split count with that schedule's program slots): 3 stages first, then
@@ -487,7 +520,7 @@ def decode_schedules(
     schedules = []
     for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
         block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
-        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > SMEM_PER_BLOCK_MAX:
+        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > max_smem:
             continue
         slots = sms * decode_programs_per_sm(
             block_m, tile_n, head_size, num_warps, stages, kv_bytes
@@ -509,6 +542,7 @@ def _plan_launch(
     sms: int,
     workspace: SplitRoom | None,
     kv_bytes: int,
+    max_smem: int,
 ) -> LaunchPlan:
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
@@ -520,7 +554,7 @@ def _plan_launch(
     # The pipelined schedule only for a batch it runs unsplit and fills the waves of clearly
     # better (see DECODE_STAGES_PIPELINED).
     candidates = decode_schedules(
-        num_seqs, num_q_heads, num_kv_heads, head_size, qpos, sms, workspace, kv_bytes
+        num_seqs, num_q_heads, num_kv_heads, head_size, qpos, sms, workspace, kv_bytes, max_smem
     )
     fill, num_stages, splits = candidates[0]
     if len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
@@ -542,7 +576,7 @@ def _plan_launch(
         large_rows = _prefill_tile(group, head_size)[0]
         programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, large_rows)
         block_m, block_n, num_warps, num_stages = _prefill_tile(
-            group, head_size, programs, sms, max_query_len
+            group, head_size, programs, sms, max_smem, kv_bytes
         )
         prefill = PrefillConfig(
             block_m=block_m,
@@ -563,6 +597,7 @@ def reachable_plans(
     sms: int,
     workspace: AttentionWorkspace | None,
     kv_bytes: int = 2,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
 ) -> list[LaunchPlan]:
     """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
     (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
@@ -571,12 +606,12 @@ def reachable_plans(
     # Beyond this many sequences every plan is the unsplit 3-stage one.
     most_seqs = -(-NO_SPLIT_CTAS_PER_SM * sms // num_kv_heads) + 1
     plans: list[LaunchPlan] = []
-    for max_query_len in (1, 2, qpos_cap + 1, PREFILL_16_WARPS_MAX_QUERY_LEN, 1 << 20):
+    for max_query_len in (1, 2, qpos_cap + 1, 1 << 20):
         for num_seqs in range(1, most_seqs + 1):
             plan = plan_launch(
                 num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 head_size=head_size, max_query_len=max_query_len, sms=sms,
-                workspace=workspace, kv_bytes=kv_bytes,
+                workspace=workspace, kv_bytes=kv_bytes, max_smem=max_smem,
             )  # fmt: skip
             dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
             plan = dataclasses.replace(plan, decode=dec)
@@ -615,6 +650,7 @@ def warm_up(
     plans = reachable_plans(
         num_q_heads=num_q_heads, num_kv_heads=key_cache.shape[2], head_size=head_size,
         sms=sm_count(device), workspace=workspace, kv_bytes=key_cache.element_size(),
+        max_smem=smem_per_block(device),
     )  # fmt: skip
     window = 0 if sliding_window is None else sliding_window
     for plan in plans:
@@ -791,6 +827,7 @@ def _run(
             sms=sm_count(q.device),
             workspace=workspace,
             kv_bytes=key_cache.element_size(),
+            max_smem=smem_per_block(q.device),
         )
     # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
     # the CPU the kernels can only be running under it.

@@ -108,20 +108,19 @@ DECODE_SWEEP = {
 # with the rule's plan and with the other regime's plan (decode_rule section).
 DECODE_RULE_BATCHES = (4, 8, 24, 32, 40, 48)
 # Prefill: (block_m, block_n, num_warps, num_stages, head_fast) at every prefill length; the
-# rule picks 256x64, 8 warps, 5 stages, kv-head-fastest grid. With wgmma the pipeliner keeps one
-# more K/V buffer than for mma.sync, but at 3 stages still waits for every copy at the top of
-# each iteration (async_wait num=0); 5 stages keep one tile in flight (3 buffers, 129 KiB).
+# rule picks 256x64, 5 stages, kv-head-fastest grid, with 16 warps for queries up to 8192 tokens
+# and 8 beyond. With wgmma the pipeliner keeps one more K/V buffer than for mma.sync, but at 3
+# stages still waits for every copy at the top of each iteration (async_wait num=0); 5 stages
+# keep one tile in flight (two buffers), 7 stages two (three buffers, 196 KiB at 256x64).
 PREFILL_SWEEP = [
-    (128, 64, 4, 3, True),  # run 6's default
-    (256, 64, 8, 5, False),
-    (256, 64, 8, 4, True),
-    (256, 32, 8, 5, True),
-    # Four warpgroups of 64 rows share each K/V tile: 128 registers a thread, 56 B of spills
-    # (sm_90a build) against 255 and 128 B at 8 warps; half the instructions.
-    (256, 64, 16, 5, True),
-    (256, 64, 16, 3, True),
-    # Two warpgroups of 64 rows: 209 registers, no spills.
-    (128, 64, 8, 5, True),
+    (128, 64, 4, 3, True),  # the short launches' tile
+    (256, 64, 8, 5, True),  # 8 warps (the rule past 8192 tokens)
+    (256, 64, 16, 5, True),  # 16 warps (the rule up to 8192 tokens)
+    (256, 64, 16, 7, True),
+    # 32-key tiles at 16 warps: no spills at sm_90a (128 registers), 1656 instructions.
+    (256, 32, 16, 5, True),
+    (256, 32, 16, 7, True),
+    (256, 64, 16, 5, False),
 ]
 # Order of the sweeps when the time budget may cut them: most informative first.
 SWEEP_ORDER = [("decode", 1), ("decode", 16), ("prefill", 8192), ("decode", 128),
@@ -509,6 +508,7 @@ def default_plan(p: Problem, run: Runner) -> attn.LaunchPlan:
         sms=attn.sm_count(p.q.device),
         workspace=run.workspace,
         kv_bytes=p.kv.element_size(),
+        max_smem=attn.smem_per_block(p.q.device),
     )
 
 
