@@ -38,6 +38,7 @@ all, since CUDA-graph replays change sequence lengths under a captured launch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -1129,30 +1130,26 @@ def paged_attention_unchecked(
             min_query_len=min_query_len, sliding_window=sliding_window, softcap=softcap,
             sinks=sinks, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
         )  # fmt: skip
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A captured graph is replayed with other batches: its plan keeps the decode launch
-        # (`_skips_decode`), which a recording made outside the capture may have left out.
-        _run(
-            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
-            float(scale), 0 if sliding_window is None else sliding_window, float(softcap),
-            sinks, k_scale, v_scale, workspace, min_query_len=min_query_len,
+    recording: contextlib.AbstractContextManager = contextlib.nullcontext()
+    # A captured graph is replayed with other batches: its plan keeps the decode launch
+    # (`_skips_decode`), which a recording made outside the capture may have left out.
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Everything a launch depends on besides the layer's own tensors (see LaunchCache).
+        key = (
+            id(cu_seqlens_q), id(seq_lens), id(block_table), id(workspace), q.shape,
+            q.stride(), q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape,
+            key_cache.stride(), value_cache.shape, value_cache.stride(), key_cache.dtype,
+            value_cache.dtype, max_query_len, min_query_len, scale, sliding_window, softcap,
+            sinks is None, k_scale is None, v_scale is None,
         )  # fmt: skip
-        return out
-    # Everything a launch depends on besides the layer's own tensors (see LaunchCache).
-    key = (
-        id(cu_seqlens_q), id(seq_lens), id(block_table), id(workspace), q.shape, q.stride(),
-        q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape, key_cache.stride(),
-        value_cache.shape, value_cache.stride(), key_cache.dtype, value_cache.dtype,
-        max_query_len, min_query_len, scale, sliding_window, softcap, sinks is None,
-        k_scale is None, v_scale is None,
-    )  # fmt: skip
-    slots = (q, key_cache, value_cache, out, sinks, k_scale, v_scale)
-    if LAUNCHES.replay(key, slots):
-        return out
-    fixed = (cu_seqlens_q, seq_lens, block_table)
-    if workspace is not None:
-        fixed += (workspace.partial_out, workspace.partial_ml, workspace.counters)
-    with LAUNCHES.record(key, slots, fixed):
+        slots = (q, key_cache, value_cache, out, sinks, k_scale, v_scale)
+        if LAUNCHES.replay(key, slots):
+            return out
+        fixed = (cu_seqlens_q, seq_lens, block_table)
+        if workspace is not None:
+            fixed += (workspace.partial_out, workspace.partial_ml, workspace.counters)
+        recording = LAUNCHES.record(key, slots, fixed)
+    with recording:
         _run(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
             float(scale), 0 if sliding_window is None else sliding_window, float(softcap),
