@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -85,18 +86,19 @@ def _hooked() -> bool:
 def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """`fn[grid](*args, **kwargs)`, with the per-call overhead of JITFunction.run removed for
     variants launched before in this process."""
+    recording = current_recording()
     if _compile_only and not _interpreting():
         fn.warmup(*args, grid=grid, **kwargs)
-        if _recording is not None:
-            _recording.broken = True
+        if recording is not None:
+            recording.broken = True
         return
     if not DIRECT or _interpreting() or _hooked():
         fn[grid](*args, **kwargs)
-        if _recording is not None:
+        if recording is not None:
             if _interpreting():
-                _recording.add_call(fn, grid, list(args), kwargs)
+                recording.add_call(fn, grid, list(args), kwargs)
             else:  # a launch hook (a profiler) must see every launch
-                _recording.broken = True
+                recording.broken = True
         return
     compiled = _BY_FN.get(id(fn))
     if compiled is None or compiled.fn is not fn:
@@ -106,16 +108,16 @@ def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: 
     if caches is None:  # Triton builds its binder on the first launch on a device
         kernel = fn[grid](*args, **kwargs)
         compiled.variants[_key(fn, device, args, kwargs)] = kernel
-        if _recording is not None:
-            _recording.broken = True
+        if recording is not None:
+            recording.broken = True
         return
     bound_args, specialization, options = caches[4](*args, **kwargs)
     key = (device, tuple(specialization), tuple(options.items()))
     kernel = compiled.variants.get(key)
     if kernel is None:
         kernel = compiled.variants[key] = fn[grid](*args, **kwargs)
-        if _recording is not None:
-            _recording.add_direct(kernel, grid, list(bound_args.values()))
+        if recording is not None:
+            recording.add_direct(kernel, grid, list(bound_args.values()))
         return
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
@@ -124,8 +126,8 @@ def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: 
         gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), kernel.function,
         kernel.packed_metadata, None, None, None, *bound_args.values(),
     )  # fmt: skip
-    if _recording is not None:
-        _recording.add_direct(kernel, grid, list(bound_args.values()))
+    if recording is not None:
+        recording.add_direct(kernel, grid, list(bound_args.values()))
 
 
 class _Recording:
@@ -145,7 +147,14 @@ class _Recording:
         self.launches.append((None, fn, _grid3(grid), args, kwargs))
 
 
-_recording: _Recording | None = None
+# The recording in progress, per thread: a launch another thread makes meanwhile is not this
+# call's and must not be replayed with its tensors.
+_state = threading.local()
+
+
+def current_recording() -> _Recording | None:
+    """The recording this thread is making (None: none)."""
+    return getattr(_state, "recording", None)
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
@@ -227,15 +236,14 @@ class LaunchCache:
         fixed: tuple[torch.Tensor | None, ...],
     ) -> Iterator[None]:
         """Record the launches made inside, under `key`, if they can be replayed."""
-        global _recording
-        if _recording is not None:  # nested: the outer recording holds these launches
+        if current_recording() is not None:  # nested: the outer recording holds these launches
             yield
             return
-        rec = _recording = _Recording()
+        rec = _state.recording = _Recording()
         try:
             yield
         finally:
-            _recording = None
+            _state.recording = None
         entry = _entry(rec, slots, fixed)
         if entry is not None:
             if len(self._entries) >= self.max_entries:

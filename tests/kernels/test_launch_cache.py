@@ -195,7 +195,7 @@ def test_an_exception_records_nothing():
         _add(x, y, out)
         raise RuntimeError("boom")
     assert len(cache) == 0
-    assert _launch._recording is None
+    assert _launch.current_recording() is None
 
 
 def test_full_cache_starts_over():
@@ -231,7 +231,7 @@ def test_direct_replay_passes_addresses_and_checks_alignment(monkeypatch):
     cache = LaunchCache()
     x, y, out = (torch.zeros(64) for _ in range(3))
     with cache.record("k", slots=(x, out, None), fixed=(y,)):
-        _launch._recording.add_direct(kernel, (5, 2), [x, y, out, 7, None])
+        _launch.current_recording().add_direct(kernel, (5, 2), [x, y, out, 7, None])
     x2, out2 = torch.zeros(64), torch.zeros(64)
     assert cache.replay("k", (x2, out2, None))
     assert kernel.calls == [
@@ -251,3 +251,21 @@ def test_launch_hook_turns_recording_and_replay_off(monkeypatch):
         _add(x, y, out)
     monkeypatch.setattr(_launch, "_hooked", lambda: True)
     assert not cache.replay("k", (x, out))
+
+
+def test_another_threads_launch_is_not_recorded():
+    """The recording belongs to the thread that makes it: a launch from another thread in the
+    meantime goes to no recording (it would be replayed with this call's tensors)."""
+    import threading
+
+    cache = LaunchCache()
+    x, y, out = _vectors()
+    other = _vectors()
+    with cache.record("k", slots=(x, out), fixed=(y,)):
+        worker = threading.Thread(target=_add, args=other)
+        worker.start()
+        worker.join()
+        _add(x, y, out)
+    launches, *_ = cache._entries["k"]
+    assert len(launches) == 1
+    torch.testing.assert_close(other[2], other[0] + other[1])
