@@ -122,9 +122,12 @@ PREFILL_SWEEP = [
     (256, 32, 16, 7, True),
     (256, 64, 16, 5, False),
 ]
-# Prefill length also timed on the engine's tensor layout (bench_prefill_engine_layout): in
-# vLLM the kernel measured ~15% slower than here at 8192 tokens (e2e lone-prefill profile).
+# Prefill length also timed on the engine's tensor layout (bench_prefill_engine_layout) and
+# with a cold L2 (bench_prefill_cold_l2): in vLLM the kernel measured ~15% slower than here at
+# 8192 tokens (e2e lone-prefill profile).
 ENGINE_LAYOUT_SEQ = 8192
+# Bytes written between calls to evict the previous call's K/V from L2 (H100 / H200: 50 MB).
+L2_FLUSH_BYTES = 256 << 20
 # Order of the sweeps when the time budget may cut them: most informative first.
 SWEEP_ORDER = [("decode", 1), ("decode", 16), ("prefill", 8192), ("decode", 128),
                ("decode", 256), ("prefill", 16384), ("decode", 64), ("prefill", 4096)]  # fmt: skip
@@ -736,12 +739,14 @@ def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> N
     out = nan_like(p.q)
     plan = default_plan(p, run)
     fn = fuselane_fn(run, p, out)
+    cold_l2: dict[str, Callable[[], object]] = {}
     if not ok:
         run.peers.note(f"{section} {case}: fuselane not timed (GPU check failed)")
     elif verify(run, f"{section} {case} fuselane", fn, out, expected):
         run.time(section, case, "fuselane", fn, flops=flops, extra=plan_extra(plan))
         if seq == ENGINE_LAYOUT_SEQ:
             bench_prefill_engine_layout(run, p, section, case, flops, expected)
+            cold_l2["fuselane"] = fn
     peers = run.peers
     if peers.flashinfer is not None:
         o = nan_like(p.q)
@@ -752,6 +757,8 @@ def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> N
         else:
             if verify(run, f"{section} {case} flashinfer", f, o, expected) is not None:
                 run.time(section, case, "flashinfer", f, flops=flops)
+                if seq == ENGINE_LAYOUT_SEQ:
+                    cold_l2["flashinfer"] = f
     # torch SDPA on dense MHA-expanded tensors [1, Hq, S, D]
     pages = p.block_table[0].long()
     k = p.key_cache[pages].reshape(-1, HKV, D)[:seq].repeat_interleave(HQ // HKV, dim=1)
@@ -778,6 +785,12 @@ def bench_prefill(run: Runner, pool, seq: int, ok: bool, gen, sweeps: dict) -> N
         f = peers.vllm_fn(p, o)
         if verify(run, f"{section} {case} vllm", f, o, expected) is not None:
             run.time(section, case, "vllm-triton-unified", f, flops=flops)
+    if cold_l2:
+        try:
+            bench_prefill_cold_l2(run, case, flops, cold_l2)
+        except Exception as e:  # noqa: BLE001 - a diagnostic row; the case's rows stand
+            peers.note(f"prefill_cold_l2 {case}: failed: {e!r}")
+            torch.cuda.synchronize()
     if ok:
         sweeps[("prefill", seq)] = lambda: bench_prefill_sweep(run, p, plan, flops, expected)
 
@@ -803,6 +816,28 @@ def bench_prefill_engine_layout(
     if verify(run, f"{section} {case} {label}", fn, out, expected):
         run.time(section, case, label, fn, flops=flops)
     del cache, qkv
+
+
+def bench_prefill_cold_l2(
+    run: Runner, case: str, flops: float, fns: dict[str, Callable[[], object]]
+) -> None:
+    """Each of `fns` (already checked) timed with the L2 cache flushed before every call, as in
+    the engine, where every layer reads its own K/V: the graph writes L2_FLUSH_BYTES before
+    each call, and the flush's own time (measured alone, same way) is subtracted."""
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    flush_ms = harness.time_graph(flush.zero_, calls_per_graph=5, reps=20)
+    for impl, fn in fns.items():
+
+        def flushed(fn=fn):
+            flush.zero_()
+            fn()
+
+        ms = harness.time_graph(flushed, calls_per_graph=5, reps=20) - flush_ms
+        row = run.report.add(harness.Row("prefill_cold_l2", case, impl, ms, None, flops,
+                                         {"flush_us": round(flush_ms * 1e3, 2)}))  # fmt: skip
+        print(f"  prefill_cold_l2 {case:<44} {impl:<20} {ms * 1e3:10.2f} us "
+              f"{row.tflops:7.1f} TFLOP/s (flush {flush_ms * 1e3:.1f} us subtracted)",
+              flush=True)  # fmt: skip
 
 
 def bench_prefill_sweep(run: Runner, p: Problem, plan, flops: float, expected: Expected) -> None:
