@@ -216,16 +216,30 @@ class LaunchPlan:
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_limits(index: int) -> tuple[int, int]:
+    """(streaming multiprocessors, shared memory one block may use in bytes) of CUDA device
+    `index`."""
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", SMEM_PER_BLOCK_MAX)
+    return props.multi_processor_count, int(smem)
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """`_cuda_limits` of `device` (read once per device); an H100 / H200's off-GPU."""
+    if device.type != "cuda":
+        return CPU_SM_COUNT, SMEM_PER_BLOCK_MAX
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_limits(index)
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (read once per device); CPU_SM_COUNT off-GPU."""
-    if device.type != "cuda":
-        return CPU_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_sm_count(index)
+    """Streaming multiprocessors of `device`; CPU_SM_COUNT off-GPU."""
+    return _device_limits(device)[0]
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (bytes); Hopper's opt-in limit off-GPU."""
+    return _device_limits(device)[1]
 
 
 # Decode tile, measured on an H200 (run 2, 2026-11-21; bf16, Hq=32, Hkv=8, D=128, page 16;
@@ -373,18 +387,16 @@ def _prefill_tile(
     then the small tile."""
     head_pad = next_pow2(head_size)
     bound = min(b for b in PREFILL_TILES if b >= head_pad)
-    tile = PREFILL_TILES[bound]
+    tiles = [PREFILL_TILES[bound]]
     small = PREFILL_SMALL_TILE
-    small_fits = small[0] < tile[0] and small[0] >= next_pow2(group)
-    if programs is not None and programs < PREFILL_MIN_PROGRAMS * sms and small_fits:
-        tile = small
-    block_m, block_n, num_warps, num_stages = tile
-    block_m = max(block_m, next_pow2(group))
-    for stages in (num_stages, *(s for s in PREFILL_STAGE_FALLBACKS if s < num_stages)):
-        if prefill_smem_bytes(block_m, block_n, head_size, stages, kv_bytes) <= max_smem:
-            return block_m, block_n, num_warps, stages
-    if small_fits and tile != small:
-        return _prefill_tile(group, head_size, 0, sms, max_smem, kv_bytes)
+    if small[0] < tiles[0][0] and small[0] >= next_pow2(group):
+        few_programs = programs is not None and programs < PREFILL_MIN_PROGRAMS * sms
+        tiles = [small] if few_programs else [tiles[0], small]
+    for block_m, block_n, num_warps, num_stages in tiles:
+        block_m = max(block_m, next_pow2(group))
+        for stages in (num_stages, *(s for s in PREFILL_STAGE_FALLBACKS if s < num_stages)):
+            if prefill_smem_bytes(block_m, block_n, head_size, stages, kv_bytes) <= max_smem:
+                return block_m, block_n, num_warps, stages
     return block_m, block_n, num_warps, min(PREFILL_STAGE_FALLBACKS)
 
 
@@ -395,21 +407,6 @@ def prefill_smem_bytes(
     kv_buffers(num_stages) K/V tiles with their block-table entries; 164352 bytes for 256x64
     at D=128, 5 stages, as compiled for sm_90a)."""
     return decode_smem_bytes(block_m, block_n, head_size, num_stages, kv_bytes)
-
-
-@functools.cache
-def _cuda_smem_per_block(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", SMEM_PER_BLOCK_MAX))
-
-
-def smem_per_block(device: torch.device) -> int:
-    """Shared memory one block may use on `device` (bytes; read once per device); Hopper's
-    opt-in limit off-GPU."""
-    if device.type != "cuda":
-        return SMEM_PER_BLOCK_MAX
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_smem_per_block(index)
 
 
 def split_cost(pairs: int, splits: int, slots: int) -> float:

@@ -14,9 +14,9 @@ end-to-end workloads:
 
 Rows: fuselane's attention and its KV write (checked; unchecked as a step's first layer calls
 them, launched and recorded; unchecked as the later layers do, replaying that recording), their
-host-side parts (argument checks, launch plan),
-vLLM's unified Triton attention and its Triton KV write, FlashInfer's paged prefill `run`
-(its per-step `plan` reported separately: vLLM calls it once per step, not per layer).
+host-side parts (argument checks, launch plan), vLLM's unified Triton attention and its Triton
+KV write, FlashInfer's paged prefill `run` (its per-step `plan` reported separately: vLLM calls
+it once per step, not per layer).
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ def host_only_us(fn: Callable[[], object], reps: int = 2000) -> float:
     return (time.perf_counter() - t0) * 1e6 / reps
 
 
+def first_layer(fn: Callable[[], object], cache: _launch.LaunchCache) -> Callable[[], object]:
+    """`fn` as a step's first layer calls it: nothing recorded yet, so it launches and records."""
+
+    def call():
+        cache.clear()
+        fn()
+
+    return call
+
+
 def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     out = torch.empty_like(p.q)
     a = p.args()
@@ -116,11 +126,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     def unchecked():
         attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
 
-    def unchecked_recorded():
-        attn.LAUNCHES.clear()  # every call is a step's first layer: launched and recorded
-        unchecked()
-
-    add(case, "fuselane (unchecked, a step's first layer)", unchecked_recorded)
+    add(case, "fuselane (unchecked, a step's first layer)", first_layer(unchecked, attn.LAUNCHES))
     add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
     attn.LAUNCHES.clear()
     # the same launches through Triton's `kernel[grid]`: what the direct launch saves
@@ -215,11 +221,8 @@ def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part, no
     def unchecked():
         kvk.kv_cache_update_unchecked(key, value, kc, vc, slots)
 
-    def unchecked_recorded():
-        kvk.WRITE_LAUNCHES.clear()
-        unchecked()
-
-    add(case, "fuselane (unchecked, a step's first layer)", unchecked_recorded)
+    recorded = first_layer(unchecked, kvk.WRITE_LAUNCHES)
+    add(case, "fuselane (unchecked, a step's first layer)", recorded)
     add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
     # a replay writes into its own caches: recorded on one pair, replayed on fresh ones
     kvk.WRITE_LAUNCHES.clear()
@@ -251,22 +254,15 @@ def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, 
     def write():
         kvk.kv_cache_update_unchecked(key, value, p.key_cache, p.value_cache, slots)
 
-    def first(fn: Callable[[], object], cache) -> Callable[[], object]:
-        def call():
-            cache.clear()  # a step's first layer: launched and recorded
-            fn()
-
-        return call
-
     text = [
         "attention (paged_attention_unchecked), later layers: replayed",
         host_profile(attention, cycles_per_ms),
         "attention (paged_attention_unchecked), a step's first layer: launched and recorded",
-        host_profile(first(attention, attn.LAUNCHES), cycles_per_ms),
+        host_profile(first_layer(attention, attn.LAUNCHES), cycles_per_ms),
         "kv write (kv_cache_update_unchecked), later layers: replayed",
         host_profile(write, cycles_per_ms),
         "kv write (kv_cache_update_unchecked), a step's first layer: launched and recorded",
-        host_profile(first(write, kvk.WRITE_LAUNCHES), cycles_per_ms),
+        host_profile(first_layer(write, kvk.WRITE_LAUNCHES), cycles_per_ms),
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"host_profile-{re.sub(r'[^A-Za-z0-9_.-]+', '_', case)}.txt"
