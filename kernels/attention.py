@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention_prefill_ws as prefill_ws
 from ._checks import FP8_E4M3, check_choice, check_tensor
 from ._launch import LaunchCache, cdiv, next_pow2, use_custom_op
 from .attention_decode import launch_decode
@@ -207,6 +208,9 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     head_fast: bool = False  # grid order: kv head fastest (every head's heaviest blocks first)
+    # Hopper's warp-specialized kernel (attention_prefill_ws): num_stages is its ring of K/V
+    # slots, num_warps its compute warps' count per warpgroup launch (loader warps added).
+    warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
@@ -860,7 +864,25 @@ def _run(
             num_stages=dec.num_stages,
             upcast_dot=upcast_dot,
         )
-    if plan.prefill is not None:
+    if plan.prefill is not None and plan.prefill.warp_specialized:
+        pre = plan.prefill
+        has_sinks = sinks is not None
+        if not prefill_ws.supports(
+            q, key_cache, sliding_window=sliding_window, softcap=softcap, has_sinks=has_sinks
+        ):
+            raise ValueError(
+                "paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs, fp16/bf16 "
+                f"with a cache of the same dtype, head sizes {prefill_ws.WS_HEAD_SIZES}, without "
+                f"sliding window, soft cap or sinks; got {q.device} {q.dtype} cache "
+                f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
+                f"{softcap}, sinks {sinks is not None}"
+            )
+        prefill_ws.launch_prefill_ws(
+            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, scale=scale,
+            block_m=pre.block_m, block_n=pre.block_n, min_q=pre.min_q, head_fast=pre.head_fast,
+            num_warps=pre.num_warps, num_buf=pre.num_stages,
+        )  # fmt: skip
+    elif plan.prefill is not None:
         pre = plan.prefill
         launch_prefill(
             q,

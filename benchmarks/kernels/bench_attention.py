@@ -112,15 +112,16 @@ DECODE_RULE_BATCHES = (4, 8, 24, 32, 40, 48)
 # config are skipped). With wgmma the pipeliner keeps one more K/V buffer than for mma.sync, but
 # at 3 stages still waits for every copy at the top of each iteration (async_wait num=0); 5
 # stages keep one tile in flight (two buffers), 7 stages two (three buffers, 193 KiB at 256x64).
-PREFILL_SWEEP = [
-    (128, 64, 4, 3, True),  # the short launches' tile
-    (256, 64, 8, 5, True),  # the rule until 2026-11-26
-    (256, 64, 16, 5, True),
-    (256, 64, 16, 7, True),  # the rule: skipped unless a device's shared memory changed it
-    # 32-key tiles at 16 warps: no spills at sm_90a (128 registers), 1656 instructions.
-    (256, 32, 16, 5, True),
-    (256, 32, 16, 7, True),
-    (256, 64, 16, 5, False),
+PREFILL_SWEEP = [  # (block_m, block_n, warps, stages, head_fast[, warp-specialized])
+    (256, 64, 16, 7, True),  # the Triton rule: skipped unless a device's smem changed it
+    # Hopper's warp-specialized kernel: two compute warpgroups of block_m / 2 rows (warps = 4
+    # per warpgroup), one loader warpgroup, `stages` K/V slots.
+    (256, 64, 4, 4, True, True),
+    (256, 64, 4, 3, True, True),
+    (256, 64, 4, 2, True, True),
+    (256, 64, 4, 4, False, True),
+    (128, 64, 4, 4, True, True),
+    (128, 128, 4, 2, True, True),
 ]
 # Prefill length also timed on the engine's tensor layout (bench_prefill_engine_layout) and
 # with a cold L2 (bench_prefill_cold_l2): in vLLM the kernel measured ~15% slower than here at
@@ -844,16 +845,17 @@ def bench_prefill_sweep(run: Runner, p: Problem, plan, flops: float, expected: E
     out = nan_like(p.q)
     run.time(section, case, "fuselane", fuselane_fn(run, p, out), flops=flops,
              extra=plan_extra(plan))  # fmt: skip
-    for bm, bn, w, s, head_fast in PREFILL_SWEEP:
+    for bm, bn, w, s, head_fast, *ws in PREFILL_SWEEP:
         if run.elapsed() > BUDGET_S:
             run.peers.note(f"{section}: time budget spent, rest of the sweep skipped")
             return
         pre = dataclasses.replace(plan.prefill, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
-                                  head_fast=head_fast)  # fmt: skip
+                                  head_fast=head_fast, warp_specialized=bool(ws))  # fmt: skip
         if pre == plan.prefill:
             continue
         sweep_plan = dataclasses.replace(plan, prefill=pre)
-        label = f"fuselane[{bm}x{bn},w={w},s={s}{',head_fast' if head_fast else ''}]"
+        flags = (",head_fast" if head_fast else "") + (",ws" if ws else "")
+        label = f"fuselane[{bm}x{bn},w={w},s={s}{flags}]"
         fn = fuselane_fn(run, p, out, sweep_plan)
         if verify(run, f"{section} {case} {label}", fn, out, expected):
             run.time(section, case, label, fn, flops=flops, extra=plan_extra(sweep_plan))

@@ -1,0 +1,399 @@
+"""Paged attention, prefill side on Hopper: a warp-specialized kernel (Gluon).
+
+The same computation as `attention_prefill._prefill_kernel` (one program per (q block, kv
+head), GQA rows packed as position x head, heaviest block first, causal tiles bounded, only the
+diagonal tiles masked), split over two kinds of warps that never wait for each other except
+through shared-memory barriers:
+
+- the loader (`LOAD_WARPS` warps): gathers the Q tile once, then every K/V tile of the block
+  through the block table with cp.async into a ring of `NUM_BUF` shared-memory slots; each slot
+  has a `ready` barrier (every loader thread arrives when its copies have landed) and an
+  `empty` barrier (the compute warps arrive when their tensor-core reads of the slot are done);
+- the compute warps (the kernel's `num_warps`, whole warpgroups): QK^T and PV on wgmma from the
+  shared tiles, the online softmax in fp32 registers, base 2.
+
+In the Triton kernel every warp both copies and computes, so each K/V tile ends with a barrier
+over all warps of the program; here the copies run ahead by `NUM_BUF` tiles and each compute
+warpgroup moves on as soon as its own tensor-core work allows, so one warpgroup's softmax
+overlaps another's matrix products.
+
+Supported: fp16/bf16 queries with a cache of the same dtype, head sizes 64 and 128, no sliding
+window, soft cap or sinks, on sm_90 (`supports`); `attention.plan_launch` uses the Triton
+kernel for everything else. Gluon kernels do not run under the Triton interpreter, so the CPU
+tests check the launch plan only; the GPU checks (`tests/gpu/`, `bench_attention`) compare this
+kernel with the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._launch import launch
+from .attention_prefill import MAX_GRID_YZ
+
+LOG2E = gl.constexpr(1.4426950408889634)
+NEG_BIG = gl.constexpr(-1.0e30)
+
+# Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each)
+# and their register budget; the compute warps get the rest of the register file.
+LOAD_WARPS = gl.constexpr(4)
+LOAD_REGS = gl.constexpr(40)
+COMPUTE_REGS = gl.constexpr(232)
+
+WS_HEAD_SIZES = (64, 128)
+
+
+def supports(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    *,
+    sliding_window: int,
+    softcap: float,
+    has_sinks: bool,
+) -> bool:
+    """Whether this kernel runs the prefill of a call with these tensors and options."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and key_cache.dtype == q.dtype
+        and q.shape[2] in WS_HEAD_SIZES
+        and sliding_window == 0
+        and softcap == 0
+        and not has_sinks
+        and key_cache.stride(-1) == 1
+        and q.stride(-1) == 1
+    )
+
+
+@gluon.jit
+def _locate(qb_global, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: gl.constexpr,
+            MIN_Q: gl.constexpr):  # fmt: skip
+    """(seq, q_start, q_len, qb, ctx, seq_len, live) of q block `qb_global` (as the Triton
+    kernel: binary search over cu_seqlens_q, heaviest block first)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = gl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if first_block <= qb_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = gl.load(cu_q_ptr + seq)
+    q_len = gl.load(cu_q_ptr + seq + 1) - q_start
+    local = qb_global - (q_start // BLOCK_Q + seq)
+    live = local * BLOCK_Q < q_len
+    if MIN_Q > 0:
+        live = live & (q_len > MIN_Q)
+    qb = gl.cdiv(q_len, BLOCK_Q) - 1 - local
+    seq_len = gl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    return seq, q_start, q_len, qb, ctx, seq_len, live
+
+
+@gluon.jit
+def _tile_bounds(ctx, p0, p_last, BLOCK_N: gl.constexpr):
+    """(n_full, n_tiles): tiles [0, n_full) are seen whole by every row of the block, tiles
+    [n_full, n_tiles) cross the diagonal (masked)."""
+    n_tiles = gl.cdiv(ctx + p_last + 1, BLOCK_N)
+    n_full = gl.minimum((ctx + p0 + 1) // BLOCK_N, n_tiles)
+    return n_full, n_tiles
+
+
+@gluon.jit
+def _load_partition(
+    q_ptr, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
+    seq, q_start, q_len, qb, ctx, seq_len, kv_head,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr, PAGE: gl.constexpr, NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    # Each thread copies rows of 16-byte pieces: HEAD // 8 threads cover a row.
+    TPR: gl.constexpr = HEAD // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_l: gl.constexpr = gl.SliceLayout(0, layout)
+    offs_d = gl.arange(0, HEAD, layout=cols_l)
+
+    # Q tile: row r is position p0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past
+    # the block's last position repeat it (finite values, never stored).
+    p0 = qb * BLOCK_Q
+    p_last = gl.minimum(p0 + BLOCK_Q, q_len) - 1
+    offs_m = gl.arange(0, BLOCK_M, layout=rows_l)
+    pos = gl.minimum(p0 + offs_m // GROUP, p_last)
+    head = kv_head * GROUP + offs_m % GROUP
+    tok = (q_start + pos).to(gl.int64)
+    q_ptrs = q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    n_full, n_tiles = _tile_bounds(ctx, p0, p_last, BLOCK_N)
+    bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+    k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
+    offs_t = gl.arange(0, BLOCK_N, layout=rows_l)
+    for j in range(0, n_tiles):
+        slot = j % NUM_BUF
+        # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
+        mbarrier.wait(empty.index(slot), ((j // NUM_BUF) & 1) ^ 1)
+        offs_n = j * BLOCK_N + offs_t
+        n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
+        phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
+        in_page = offs_n % PAGE
+        k_rows = k_base + phys * stride_kb + in_page * stride_ks
+        v_rows = v_base + phys * stride_vb + in_page * stride_vs
+        k_ptrs = k_rows[:, None] + offs_d[None, :]
+        v_ptrs = v_rows[:, None] + offs_d[None, :]
+        if j < n_full:
+            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs)
+            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs)
+        else:  # zero-filled past the sequence's end
+            ok = n_ok[:, None] & (offs_d < HEAD)[None, :]
+            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs, mask=ok)
+            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, c, row_l: gl.constexpr):
+    """(p, alpha, m_new, l_new) of one score tile (base-2 online softmax, raw scores s)."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+    p = gl.exp2(s * c - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _compute_partition(
+    out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
+    q_start, q_len, qb, ctx, kv_head, qk_scale, stride_ot, stride_oh,
+    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup's rows [ROW0, ROW0 + BLOCK_M) of the block's Q tile."""
+    NW: gl.constexpr = gl.num_warps()
+    q_rows = q_smem.slice(ROW0, BLOCK_M, dim=0)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    p0 = qb * BLOCK_Q
+    p_last = gl.minimum(p0 + BLOCK_Q, q_len) - 1
+    n_full, n_tiles = _tile_bounds(ctx, p0, p_last, BLOCK_N)
+    c = qk_scale * LOG2E
+    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    q_abs = ctx + gl.minimum(p0 + (ROW0 + gl.arange(0, BLOCK_M, layout=s_rows)) // GROUP, p_last)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):  # interior: every key visible to every row
+        slot = j % NUM_BUF
+        mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
+        k_t = k_smem.index(slot).permute((1, 0))
+        s = warpgroup_mma(q_rows, k_t, s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(q_rows.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot))
+    for j in range(n_full, n_tiles):  # the diagonal: key <= the row's own position
+        slot = j % NUM_BUF
+        mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
+        k_t = k_smem.index(slot).permute((1, 0))
+        s = warpgroup_mma(q_rows, k_t, s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        offs_n = j * BLOCK_N + offs_n0
+        s = gl.where(offs_n[None, :] <= q_abs[:, None], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(q_rows.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot))
+
+    l_o = gl.convert_layout(l_i, o_rows)
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    offs_m = ROW0 + gl.arange(0, BLOCK_M, layout=o_rows)
+    pos = p0 + offs_m // GROUP
+    row_ok = pos <= p_last
+    head = kv_head * GROUP + offs_m % GROUP
+    tok = (q_start + gl.minimum(pos, p_last)).to(gl.int64)
+    offs_d = gl.arange(0, HEAD, layout=o_cols)
+    o_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+    o_mask = row_ok[:, None] & (offs_d < HEAD)[None, :]
+    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+# num_seqs varies per batch: not specialized (no new variant mid-serving for 1 or 16 sequences).
+@gluon.jit(do_not_specialize=["num_seqs"])
+def _prefill_ws_kernel(
+    q_ptr,  # [num_tokens, Hq, D] fp16/bf16
+    k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype (last dim contiguous)
+    v_ptr,  # [num_blocks, PAGE, Hkv, D]
+    out_ptr,  # [num_tokens, Hq, D] q's dtype
+    cu_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32, KV length including the new tokens
+    bt_ptr,  # [num_seqs, max_blocks] int32
+    scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    PAGE: gl.constexpr,
+    MIN_Q: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    HEAD_FAST: gl.constexpr,  # grid (Hkv, q blocks) instead of (q blocks, Hkv)
+):
+    if HEAD_FAST:
+        kv_head = gl.program_id(0)
+        qb_global = gl.program_id(1)
+    else:
+        qb_global = gl.program_id(0)
+        kv_head = gl.program_id(1)
+    seq, q_start, q_len, qb, ctx, seq_len, live = _locate(
+        qb_global, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, MIN_Q
+    )
+    if live:
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        LOADERS: gl.constexpr = LOAD_WARPS * 32
+        mbarrier.init(q_bar, count=LOADERS)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=LOADERS)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per compute warpgroup
+        fence_async_shared()
+        WG_ROWS: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize(
+            [
+                (
+                    _compute_partition,
+                    (out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, q_len, qb,
+                     ctx, kv_head, scale, stride_ot, stride_oh, GROUP, BLOCK_Q, 0, WG_ROWS,
+                     BLOCK_N, HEAD, NUM_BUF),
+                ),
+                (
+                    _compute_partition,
+                    (out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, q_len, qb,
+                     ctx, kv_head, scale, stride_ot, stride_oh, GROUP, BLOCK_Q, WG_ROWS,
+                     WG_ROWS, BLOCK_N, HEAD, NUM_BUF),
+                ),
+                (
+                    _load_partition,
+                    (q_ptr, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                     seq, q_start, q_len, qb, ctx, seq_len, kv_head, stride_qt, stride_qh,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                     GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD, PAGE, NUM_BUF),
+                ),
+            ],
+            [4, LOAD_WARPS],
+            [COMPUTE_REGS, LOAD_REGS],
+        )  # fmt: skip
+
+
+def launch_prefill_ws(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    min_q: int,
+    head_fast: bool,
+    num_warps: int,
+    num_buf: int,
+) -> None:
+    """Launch the warp-specialized prefill kernel over every q block of the batch (validated
+    arguments; `supports` said yes; the config comes from `attention.plan_launch`)."""
+    num_seqs = seq_lens.shape[0]
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_q = block_m // group
+    num_q_blocks = num_tokens // block_q + num_seqs
+    head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
+    grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
+    launch(
+        _prefill_ws_kernel,
+        grid,
+        q,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD=head_size,
+        PAGE=key_cache.shape[1],
+        MIN_Q=min_q,
+        NUM_BUF=num_buf,
+        HEAD_FAST=head_fast,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,141 @@
+"""Hopper's warp-specialized prefill kernel (`kernels/attention_prefill_ws.py`) against the fp32
+reference. Gluon kernels do not run under Triton's interpreter: the kernel cases need an sm_90
+GPU (they run in the GPU sessions: `pytest tests/kernels/test_attention_prefill_ws.py`); the
+refusal cases run everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fuselane.kernels import attention as attn
+from fuselane.kernels import attention_prefill_ws as prefill_ws
+from tests.device import DEVICE
+from tests.kernels.test_attention import make_batch, nan_out, plan_for, run_case, workspace
+
+HOPPER = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (Gluon, wgmma)")
+
+WS_CASES = [
+    # (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, layout)
+    # pure prefill: partial last q block, page and tile crossings, a 1-token sequence
+    (32, 8, 128, 16, torch.bfloat16, [700, 17, 1, 64], [700, 17, 1, 64], "nhd"),
+    # long: many interior tiles before the diagonal
+    (8, 2, 128, 16, torch.bfloat16, [2100], [2100], "nhd"),
+    # chunked prefill after a cached prefix (diagonal mid-tile), head-major cache
+    (16, 2, 128, 32, torch.float16, [300, 90], [1300, 2000], "hnd"),
+    # MHA and GQA 8, head size 64, 64-slot pages
+    (4, 4, 64, 64, torch.bfloat16, [257, 129], [257, 700], "nhd"),
+    (16, 2, 64, 16, torch.float16, [513], [777], "nhd"),
+    # mixed: decode and verify rows belong to the decode kernel in the same call
+    (32, 8, 128, 16, torch.bfloat16, [1, 5, 333, 1, 100], [900, 40, 333, 1, 4000], "nhd"),
+]
+
+
+def ws_plan(batch: dict, ws, **prefill_changes) -> attn.LaunchPlan:
+    """The rule's plan for `batch` with the warp-specialized prefill kernel (defaults: 256-row
+    tile, 64 keys, 4 slots, kv-head-fastest grid)."""
+    changes = dict(block_m=256, block_n=64, num_warps=4, num_stages=4, head_fast=True)
+    changes.update(prefill_changes, warp_specialized=True)
+    return plan_for(batch, ws, prefill_changes=changes)
+
+
+def ws_batch(case, seed: int = 0) -> dict:
+    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, layout = case
+    return make_batch(
+        q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
+        q_dtype=q_dtype, layout=layout, seed=seed or sum(seq_lens),
+    )  # fmt: skip
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-bs{c[3]}"
+                         f"-{str(c[4])[6:]}-q{'_'.join(map(str, c[5]))}")  # fmt: skip
+def test_ws_prefill_matches_reference(case):
+    batch = ws_batch(case)
+    ws = workspace(case[0], case[2])
+    run_case(batch, workspace=ws, plan=ws_plan(batch, ws))
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(num_stages=2),
+        dict(num_stages=3),
+        dict(head_fast=False),
+        dict(block_m=128),
+        dict(block_m=128, block_n=128, num_stages=2),
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_ws_prefill_configs(changes):
+    case = WS_CASES[0]
+    batch = ws_batch(case, seed=7)
+    ws = workspace(case[0], case[2])
+    run_case(batch, workspace=ws, plan=ws_plan(batch, ws, **changes))
+
+
+@needs_hopper
+def test_ws_prefill_repeated_launches_agree():
+    """Many launches on one batch give bit-identical outputs (a barrier-phase or slot-reuse
+    race would show as a difference between runs)."""
+    case = WS_CASES[1]
+    batch = ws_batch(case, seed=3)
+    ws = workspace(case[0], case[2])
+    plan = ws_plan(batch, ws, num_stages=2)
+    first = run_case(batch, workspace=ws, plan=plan)
+    args = {k: v for k, v in batch.items() if k != "num_rows"}
+    for _ in range(20):
+        out = nan_out(args["q"])
+        attn._run(
+            args["q"], args["key_cache"], args["value_cache"], out, args["cu_seqlens_q"],
+            args["seq_lens"], args["block_table"], args["max_query_len"], args["scale"], 0, 0.0,
+            None, None, None, ws, plan=plan,
+        )  # fmt: skip
+        rows = batch["num_rows"]
+        assert torch.equal(out[:rows], first[:rows])
+
+
+def test_ws_plan_refused_where_the_kernel_cannot_run():
+    """A plan naming the warp-specialized kernel for a batch it cannot run raises, naming what
+    it supports (on the CPU: every batch; on a GPU: a sliding window)."""
+    case = WS_CASES[3]
+    batch = ws_batch(case)
+    ws = workspace(case[0], case[2])
+    plan = ws_plan(batch, ws)
+    options = {} if not HOPPER else {"sliding_window": 100}
+    with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
+        run_case(batch, workspace=ws, plan=plan, **options)
+
+
+def test_ws_supports_only_its_configurations():
+    q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
+    base = dict(sliding_window=0, softcap=0.0, has_sinks=False)
+    assert not prefill_ws.supports(q, kc, **base)  # a CPU tensor
+    if HOPPER:
+        qg, kg = q.to(DEVICE), kc.to(DEVICE)
+        assert prefill_ws.supports(qg, kg, **base)
+        for change in (
+            dict(sliding_window=64),
+            dict(softcap=30.0),
+            dict(has_sinks=True),
+        ):
+            assert not prefill_ws.supports(qg, kg, **dict(base, **change))
+        assert not prefill_ws.supports(qg[..., :96], kg[..., :96], **base)
+        assert not prefill_ws.supports(qg, kg.to(torch.float8_e4m3fn), **base)
+        assert not prefill_ws.supports(qg.half(), kg, **base)
+
+
+def test_ws_flag_is_part_of_the_plan():
+    case = WS_CASES[0]
+    batch = ws_batch(case)
+    ws = workspace(case[0], case[2])
+    plan = ws_plan(batch, ws)
+    assert plan.prefill is not None and plan.prefill.warp_specialized
+    rule = plan_for(batch, ws)
+    assert rule.prefill is not None
+    assert dataclasses.replace(plan.prefill, warp_specialized=False) != plan.prefill
