@@ -367,6 +367,16 @@ PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
 # A device whose block shared memory cannot hold a tile takes fewer stages, then the small tile
 # (A100: 163 KiB per block; sm_89: 99 KiB).
 PREFILL_STAGE_FALLBACKS = (5, 3)
+# Hopper, where the call's dtypes and options allow it (attention_prefill_ws.supports): the
+# warp-specialized kernel for the launches that take the large tile: 256 rows in two compute
+# warpgroups, 64 keys, a ring of 4 K/V slots (193 KiB of shared memory), kv-head-fastest grid.
+# H200, same run as the Triton rule (attention-h200-2026-11-26-ws.json, TFLOP/s at S = 4k / 8k
+# / 16k): 465.9 / 508.7 / 529.3 against 425.8 / 456.4 / 473.4; 3 slots 464.4 / 503.8 / 508.2,
+# 2 slots 442.7 / 498.5 / 498.6; seq-major grid 410.9 / 513.3 / 533.7; 128 rows (one
+# warpgroup's 64 each) 386.5 / 415.5 / 424.2; 128x128 with 2 slots 270.4 / 286.7 / 294.8.
+PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
+# Head sizes the rule gives it: measured at 128 only (64 passes the GPU tests, not timed).
+PREFILL_WS_HEAD_SIZES = (128,)
 PREFILL_HEAD_FAST = True
 # Short prefills: 256-row tiles leave SMs idle (a 512-token prompt of Hkv=8, GQA 4 is 8 q blocks
 # x 8 heads = 64 programs on 132 SMs; vLLM 0.26 e2e on the H200, 2026-11-22: p50 TTFT 1.3-1.5x
@@ -490,17 +500,19 @@ def plan_launch(
     workspace: AttentionWorkspace | None,
     kv_bytes: int = 2,
     max_smem: int = SMEM_PER_BLOCK_MAX,
+    warp_specialized: bool = False,
 ) -> LaunchPlan:
     """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
 
     kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). max_smem: shared memory
-    per block of the device (`smem_per_block`). Memoized: every layer of a step asks the same
-    question, and on the eager (piecewise-graph) path vLLM runs attention in, host time per
-    layer is step time.
+    per block of the device (`smem_per_block`). warp_specialized: the call's tensors and options
+    can run Hopper's warp-specialized prefill kernel (`attention_prefill_ws.supports`); long
+    prefills then take it. Memoized: every layer of a step asks the same question, and on the
+    eager (piecewise-graph) path vLLM runs attention in, host time per layer is step time.
     """
     return _plan_launch(
         num_seqs, num_q_heads, num_kv_heads, head_size, max_query_len, sms,
-        split_room(workspace), kv_bytes, max_smem,
+        split_room(workspace), kv_bytes, max_smem, warp_specialized,
     )  # fmt: skip
 
 
@@ -545,6 +557,7 @@ def _plan_launch(
     workspace: SplitRoom | None,
     kv_bytes: int,
     max_smem: int,
+    warp_specialized: bool,
 ) -> LaunchPlan:
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
@@ -580,6 +593,14 @@ def _plan_launch(
         block_m, block_n, num_warps, num_stages = _prefill_tile(
             group, head_size, programs, sms, max_smem, kv_bytes
         )
+        ws = (
+            warp_specialized
+            and head_size in PREFILL_WS_HEAD_SIZES
+            and block_m == large_rows
+            and group <= PREFILL_WS_TILE[0]
+        )
+        if ws:
+            block_m, block_n, num_warps, num_stages = PREFILL_WS_TILE
         prefill = PrefillConfig(
             block_m=block_m,
             block_n=block_n,
@@ -587,6 +608,7 @@ def _plan_launch(
             num_warps=num_warps,
             num_stages=num_stages,
             head_fast=PREFILL_HEAD_FAST,
+            warp_specialized=ws,
         )
     return LaunchPlan(decode=decode, prefill=prefill)
 
@@ -600,6 +622,7 @@ def reachable_plans(
     workspace: AttentionWorkspace | None,
     kv_bytes: int = 2,
     max_smem: int = SMEM_PER_BLOCK_MAX,
+    warp_specialized: bool = False,
 ) -> list[LaunchPlan]:
     """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
     (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
@@ -614,6 +637,7 @@ def reachable_plans(
                 num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 head_size=head_size, max_query_len=max_query_len, sms=sms,
                 workspace=workspace, kv_bytes=kv_bytes, max_smem=max_smem,
+                warp_specialized=warp_specialized,
             )  # fmt: skip
             dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
             plan = dataclasses.replace(plan, decode=dec)
@@ -649,12 +673,15 @@ def warm_up(
     """
     head_size = key_cache.shape[3]
     device = key_cache.device
+    window = 0 if sliding_window is None else sliding_window
+    probe = torch.empty(0, num_q_heads, head_size, dtype=q_dtype, device=device)
+    ws = prefill_ws.supports(probe, key_cache, value_cache, sliding_window=window,
+                             softcap=softcap, has_sinks=sinks is not None)  # fmt: skip
     plans = reachable_plans(
         num_q_heads=num_q_heads, num_kv_heads=key_cache.shape[2], head_size=head_size,
         sms=sm_count(device), workspace=workspace, kv_bytes=key_cache.element_size(),
-        max_smem=smem_per_block(device),
+        max_smem=smem_per_block(device), warp_specialized=ws,
     )  # fmt: skip
-    window = 0 if sliding_window is None else sliding_window
     for plan in plans:
         q_len = plan.decode.qpos
         q = torch.zeros(q_len, num_q_heads, head_size, dtype=q_dtype, device=device)
@@ -830,7 +857,11 @@ def _run(
             workspace=workspace,
             kv_bytes=key_cache.element_size(),
             max_smem=smem_per_block(q.device),
-        )
+            warp_specialized=prefill_ws.supports(
+                q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
+                has_sinks=sinks is not None,
+            ),
+        )  # fmt: skip
     # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
     # the CPU the kernels can only be running under it.
     upcast_dot = (q.device.type == "cpu" and q.dtype == torch.bfloat16) or q.dtype == torch.float32
@@ -868,7 +899,12 @@ def _run(
         pre = plan.prefill
         has_sinks = sinks is not None
         if not prefill_ws.supports(
-            q, key_cache, sliding_window=sliding_window, softcap=softcap, has_sinks=has_sinks
+            q,
+            key_cache,
+            value_cache,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            has_sinks=has_sinks,
         ):
             raise ValueError(
                 "paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs, fp16/bf16 "

@@ -26,6 +26,8 @@ kernel with the fp32 reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,16 +54,33 @@ COMPUTE_REGS = gl.constexpr(232)
 WS_HEAD_SIZES = (64, 128)
 
 
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte copies of whole rows: the base address and every stride but the last a
+    multiple of 16 bytes, the last dimension contiguous."""
+    step = 16 // t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st % step == 0 for st in t.stride()[:-1])
+    )
+
+
 def supports(
     q: torch.Tensor,
     key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     *,
     sliding_window: int,
     softcap: float,
     has_sinks: bool,
 ) -> bool:
     """Whether this kernel runs the prefill of a call with these tensors and options."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
         return False
     return (
         q.dtype in (torch.float16, torch.bfloat16)
@@ -70,8 +89,10 @@ def supports(
         and sliding_window == 0
         and softcap == 0
         and not has_sinks
-        and key_cache.stride(-1) == 1
-        and q.stride(-1) == 1
+        and value_cache.dtype == q.dtype
+        and _aligned(key_cache)
+        and _aligned(value_cache)
+        and _aligned(q)
     )
 
 

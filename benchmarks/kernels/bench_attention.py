@@ -113,15 +113,13 @@ DECODE_RULE_BATCHES = (4, 8, 24, 32, 40, 48)
 # at 3 stages still waits for every copy at the top of each iteration (async_wait num=0); 5
 # stages keep one tile in flight (two buffers), 7 stages two (three buffers, 193 KiB at 256x64).
 PREFILL_SWEEP = [  # (block_m, block_n, warps, stages, head_fast[, warp-specialized])
-    (256, 64, 16, 7, True),  # the Triton rule: skipped unless a device's smem changed it
+    (256, 64, 16, 7, True),  # the Triton kernel's rule (the Hopper rule's before 2026-11-26)
     # Hopper's warp-specialized kernel: two compute warpgroups of block_m / 2 rows (warps = 4
     # per warpgroup), one loader warpgroup, `stages` K/V slots.
-    (256, 64, 4, 4, True, True),
+    (256, 64, 4, 4, True, True),  # the Hopper rule
+    (256, 64, 4, 5, True, True),
     (256, 64, 4, 3, True, True),
-    (256, 64, 4, 2, True, True),
     (256, 64, 4, 4, False, True),
-    (128, 64, 4, 4, True, True),
-    (128, 128, 4, 2, True, True),
 ]
 # Prefill length also timed on the engine's tensor layout (bench_prefill_engine_layout) and
 # with a cold L2 (bench_prefill_cold_l2): in vLLM the kernel measured ~15% slower than here at
@@ -516,6 +514,9 @@ def default_plan(p: Problem, run: Runner) -> attn.LaunchPlan:
         workspace=run.workspace,
         kv_bytes=p.kv.element_size(),
         max_smem=attn.smem_per_block(p.q.device),
+        warp_specialized=attn.prefill_ws.supports(
+            p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
+        ),
     )
 
 
@@ -529,6 +530,7 @@ def plan_extra(plan: attn.LaunchPlan) -> dict:
         f = plan.prefill
         extra["prefill"] = (
             f"{f.block_m}x{f.block_n} w={f.num_warps} s={f.num_stages} head_fast={f.head_fast}"
+            f" ws={f.warp_specialized}"
         )
     return extra
 

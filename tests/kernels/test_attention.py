@@ -827,11 +827,14 @@ def _variant(plan: attn.LaunchPlan) -> tuple:
 @pytest.mark.parametrize(
     ("hq", "hkv", "d"), [(32, 8, 128), (28, 4, 128), (64, 1, 128), (16, 8, 256)]
 )
-def test_reachable_plans_cover_every_batch(hq, hkv, d):
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_reachable_plans_cover_every_batch(hq, hkv, d, warp_specialized):
     """Every plan plan_launch makes for 1..600 sequences and query lengths 1..20 is, up to its
-    split count, one of reachable_plans: warming those up leaves nothing to compile later."""
+    split count, one of reachable_plans: warming those up leaves nothing to compile later
+    (with and without Hopper's warp-specialized prefill kernel)."""
     ws = AttentionWorkspace.allocate(512, hq, d, CPU, max_splits=64)
-    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_size=d, sms=132, workspace=ws)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_size=d, sms=132, workspace=ws,
+              warp_specialized=warp_specialized)  # fmt: skip
     reachable = {_variant(p) for p in attn.reachable_plans(**kw)}
     seen = {
         _variant(attn.plan_launch(num_seqs=b, max_query_len=q, **kw))

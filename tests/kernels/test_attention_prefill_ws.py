@@ -115,19 +115,21 @@ def test_ws_supports_only_its_configurations():
     q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
     base = dict(sliding_window=0, softcap=0.0, has_sinks=False)
-    assert not prefill_ws.supports(q, kc, **base)  # a CPU tensor
+    assert not prefill_ws.supports(q, kc, kc, **base)  # a CPU tensor
     if HOPPER:
         qg, kg = q.to(DEVICE), kc.to(DEVICE)
-        assert prefill_ws.supports(qg, kg, **base)
+        assert prefill_ws.supports(qg, kg, kg, **base)
         for change in (
             dict(sliding_window=64),
             dict(softcap=30.0),
             dict(has_sinks=True),
         ):
-            assert not prefill_ws.supports(qg, kg, **dict(base, **change))
-        assert not prefill_ws.supports(qg[..., :96], kg[..., :96], **base)
-        assert not prefill_ws.supports(qg, kg.to(torch.float8_e4m3fn), **base)
-        assert not prefill_ws.supports(qg.half(), kg, **base)
+            assert not prefill_ws.supports(qg, kg, kg, **dict(base, **change))
+        assert not prefill_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96], **base)
+        assert not prefill_ws.supports(
+            qg, kg.to(torch.float8_e4m3fn), kg.to(torch.float8_e4m3fn), **base
+        )
+        assert not prefill_ws.supports(qg.half(), kg, kg, **base)
 
 
 def test_ws_flag_is_part_of_the_plan():
@@ -139,3 +141,45 @@ def test_ws_flag_is_part_of_the_plan():
     rule = plan_for(batch, ws)
     assert rule.prefill is not None
     assert dataclasses.replace(plan.prefill, warp_specialized=False) != plan.prefill
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16), (8, 1)])
+def test_rule_takes_the_ws_kernel_for_large_prefill_tiles_only(hq, hkv):
+    d = 128
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_size=d, sms=132, workspace=None)
+    long = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True, **kw)
+    assert long.prefill is not None and long.prefill.warp_specialized
+    assert (long.prefill.block_m, long.prefill.block_n) == attn.PREFILL_WS_TILE[:2]
+    assert long.prefill.num_stages == attn.PREFILL_WS_TILE[3]
+    # A prompt too short to fill the GPU with 256-row tiles keeps the Triton kernel's small tile.
+    short = attn.plan_launch(num_seqs=1, max_query_len=512, warp_specialized=True, **kw)
+    assert short.prefill is not None and not short.prefill.warp_specialized
+    decode = attn.plan_launch(num_seqs=8, max_query_len=1, warp_specialized=True, **kw)
+    assert decode.prefill is None
+    # Without the capability the rule is unchanged.
+    plain = attn.plan_launch(num_seqs=2, max_query_len=8192, **kw)
+    assert plain.prefill is not None and not plain.prefill.warp_specialized
+    assert plain.decode == long.decode
+    plans = attn.reachable_plans(warp_specialized=True, **kw)
+    assert any(p.prefill is not None and p.prefill.warp_specialized for p in plans)
+    assert any(p.prefill is not None and not p.prefill.warp_specialized for p in plans)
+    # Head sizes it was not timed at keep the Triton kernel.
+    d64 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True,
+                           **dict(kw, head_size=64))  # fmt: skip
+    assert d64.prefill is not None and not d64.prefill.warp_specialized
+
+
+def test_cpu_calls_never_plan_the_ws_kernel(monkeypatch):
+    """On the CPU (and any device `supports` refuses) `_run` plans the Triton kernels."""
+    seen = []
+    real = attn.plan_launch
+
+    def spy(**kw):
+        seen.append(kw["warp_specialized"])
+        return real(**kw)
+
+    monkeypatch.setattr(attn, "plan_launch", spy)
+    case = WS_CASES[4]
+    batch = ws_batch(case)
+    run_case(batch, workspace=workspace(case[0], case[2]))
+    assert seen == [HOPPER]
