@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention_decode_ws as decode_ws
 from . import attention_prefill_ws as prefill_ws
 from ._checks import FP8_E4M3, check_choice, check_tensor
 from ._launch import LaunchCache, cdiv, next_pow2, use_custom_op
@@ -198,6 +199,9 @@ class DecodeConfig:
     num_stages: int
     fused_reduce: bool = True  # splits merged by the last split program (False: a 2nd launch)
     head_fast: bool = False  # grid order: kv head fastest (programs of one sequence together)
+    # Hopper's warp-specialized kernel (attention_decode_ws), decode-only batches: num_stages
+    # is its ring of K/V slots; block_m, num_warps and max_q are the Triton kernel's only.
+    warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
@@ -866,7 +870,28 @@ def _run(
     # the CPU the kernels can only be running under it.
     upcast_dot = (q.device.type == "cpu" and q.dtype == torch.bfloat16) or q.dtype == torch.float32
     dec = plan.decode
-    if not _skips_decode(plan, min_query_len, q):
+    if dec.warp_specialized:
+        has_sinks = sinks is not None
+        if plan.prefill is not None or dec.qpos != 1 or not prefill_ws.supports(
+            q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
+            has_sinks=has_sinks,
+        ):  # fmt: skip
+            raise ValueError(
+                "paged_attention: the warp-specialized decode kernel runs decode-only batches "
+                "(query_len 1) on sm_90 GPUs, fp16/bf16 with a cache of the same dtype, head "
+                f"sizes {prefill_ws.WS_HEAD_SIZES}, without sliding window, soft cap or sinks; "
+                f"got max_query_len {max_query_len}, {q.device} {q.dtype} cache "
+                f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
+                f"{softcap}, sinks {has_sinks}"
+            )
+        split = dec.num_splits > 1
+        decode_ws.launch_decode_ws(
+            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table,
+            workspace.partial_out if split else None, workspace.partial_ml if split else None,
+            workspace.counters if split else None, scale=scale, tile_n=dec.tile_n,
+            num_splits=dec.num_splits, num_buf=dec.num_stages, head_fast=dec.head_fast,
+        )  # fmt: skip
+    elif not _skips_decode(plan, min_query_len, q):
         launch_decode(
             q,
             key_cache,

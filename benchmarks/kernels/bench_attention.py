@@ -96,10 +96,14 @@ DECODE_SWEEP_LARGE_B = [
     dict(tile_n=64, num_stages=7),
 ]
 DECODE_SWEEP = {
-    1: [dict(num_stages=5, num_splits=16, head_fast=False), dict(head_fast=False),
-        dict(num_splits=24), dict(num_splits=48)],
-    16: [dict(head_fast=True), dict(num_splits=2), dict(num_stages=3, num_splits=2, head_fast=True),
-         dict(num_warps=8)],
+    1: [dict(num_stages=5, num_splits=16, head_fast=False),
+        # Hopper's warp-specialized decode kernel: `num_stages` K/V slots of `tile_n` tokens
+        *(dict(warp_specialized=True, tile_n=t, num_stages=b, num_splits=n, head_fast=False)
+          for t, b, n in ((64, 4, 16), (64, 4, 33), (64, 2, 33), (128, 2, 16), (64, 6, 16),
+                          (128, 3, 16), (64, 3, 33), (64, 8, 16)))],
+    16: [dict(num_splits=2), dict(num_stages=3, num_splits=2, head_fast=True),
+         *(dict(warp_specialized=True, tile_n=64, num_stages=b, num_splits=n, head_fast=False)
+           for b, n in ((4, 1), (4, 2), (2, 2)))],
     64: DECODE_SWEEP_LARGE_B,
     128: DECODE_SWEEP_LARGE_B,
     256: DECODE_SWEEP_LARGE_B,
@@ -524,7 +528,7 @@ def plan_extra(plan: attn.LaunchPlan) -> dict:
     d = plan.decode
     extra = {
         "decode": f"splits={d.num_splits} tile={d.tile_n} w={d.num_warps} s={d.num_stages} "
-        f"fused={d.fused_reduce} head_fast={d.head_fast}"
+        f"fused={d.fused_reduce} head_fast={d.head_fast} ws={d.warp_specialized}"
     }
     if plan.prefill is not None:
         f = plan.prefill
@@ -665,8 +669,10 @@ def bench_decode(run: Runner, pool, batch: int, ctx: int, ok: bool, gen, sweeps:
 
 
 def decode_label(dec: attn.DecodeConfig) -> str:
-    flags = ("" if dec.fused_reduce or dec.num_splits == 1 else ",unfused") + (
-        ",head_fast" if dec.head_fast else ""
+    flags = (
+        ("" if dec.fused_reduce or dec.num_splits == 1 else ",unfused")
+        + (",head_fast" if dec.head_fast else "")
+        + (",ws" if dec.warp_specialized else "")
     )
     return (
         f"fuselane[tile={dec.tile_n},w={dec.num_warps},s={dec.num_stages},"
@@ -998,6 +1004,9 @@ def main() -> int:
     parser.add_argument(
         "--prefill-only", action="store_true", help="the prefill cases and their sweeps only"
     )
+    parser.add_argument(
+        "--decode-only", action="store_true", help="the decode cases and their sweeps only"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA device", file=sys.stderr)
@@ -1025,7 +1034,7 @@ def main() -> int:
 
     decode_cases = [(1, 32768), (64, 4096)] if args.quick else DECODE_CASES
     decode_cases = [] if args.prefill_only else decode_cases
-    prefill_lens = (4096,) if args.quick else PREFILL_LENS
+    prefill_lens = () if args.decode_only else (4096,) if args.quick else PREFILL_LENS
     pool = make_pool(POOL_PAGES, PAGE, HKV, D, DTYPE)
     print(f"KV pool: {pool.numel() * pool.element_size() / 1e9:.2f} GB", flush=True)
     sweeps: dict[tuple[str, int], Callable[[], None]] = {}
@@ -1033,9 +1042,9 @@ def main() -> int:
         lambda b=b, c=c: bench_decode(run, pool, b, c, ok, gen, sweeps) for b, c in decode_cases
     ]
     sections += [lambda s=s: bench_prefill(run, pool, s, ok, gen, sweeps) for s in prefill_lens]
-    if not args.prefill_only:
+    if not (args.prefill_only or args.decode_only):
         sections.append(lambda: bench_mixed(run, pool, ok, gen))
-    if not (args.quick or args.no_sweep or args.prefill_only):
+    if not (args.quick or args.no_sweep or args.prefill_only or args.decode_only):
         sections.append(lambda: bench_decode_rule(run, pool, ok, gen))
     # the sweeps last: the time budget may cut them, never a goal case
     if not (args.quick or args.no_sweep):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fuselane.kernels import attention as attn
-from fuselane.kernels import attention_decode, attention_prefill
+from fuselane.kernels import _launch, attention_decode, attention_prefill
 from fuselane.kernels._checks import FP8_E4M3
 from fuselane.kernels.attention import (
     SUPPORTED_BLOCK_SIZES,
@@ -451,6 +451,9 @@ class LaunchRecorder:
 @pytest.fixture
 def launch_log(monkeypatch):
     log: list = []
+    # Compiled launches go through `fn[grid]` (the recorder), not straight to a kernel compiled
+    # earlier in the process.
+    monkeypatch.setattr(_launch, "DIRECT", False)
     for module, name in [
         (attention_decode, "_decode_kernel"),
         (attention_decode, "_splitkv_reduce_kernel"),

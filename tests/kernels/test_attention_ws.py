@@ -1,7 +1,7 @@
-"""Hopper's warp-specialized prefill kernel (`kernels/attention_prefill_ws.py`) against the fp32
-reference. Gluon kernels do not run under Triton's interpreter: the kernel cases need an sm_90
-GPU (they run in the GPU sessions: `pytest tests/kernels/test_attention_prefill_ws.py`); the
-refusal cases run everywhere."""
+"""Hopper's warp-specialized attention kernels (`kernels/attention_prefill_ws.py`,
+`kernels/attention_decode_ws.py`) against the fp32 reference. Gluon kernels do not run under
+Triton's interpreter: the kernel cases need an sm_90 GPU (they run in the GPU sessions:
+`pytest tests/kernels/test_attention_ws.py`); the planning and refusal cases run everywhere."""
 
 from __future__ import annotations
 
@@ -183,3 +183,87 @@ def test_cpu_calls_never_plan_the_ws_kernel(monkeypatch):
     batch = ws_batch(case)
     run_case(batch, workspace=workspace(case[0], case[2]))
     assert seen == [HOPPER]
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------
+
+WS_DECODE_CASES = [
+    # (Hq, Hkv, D, block, q dtype, seq_lens, layout, splits)
+    (32, 8, 128, 16, torch.bfloat16, [5000], "nhd", 16),
+    (32, 8, 128, 16, torch.bfloat16, [1, 16, 17, 64, 65, 2047], "nhd", 4),
+    (16, 2, 128, 32, torch.float16, [700, 3], "hnd", 1),
+    (8, 8, 64, 16, torch.bfloat16, [129, 4100], "nhd", 33),
+    (16, 1, 64, 64, torch.float16, [1000], "nhd", 7),
+]
+
+
+def ws_decode_plan(batch: dict, ws, **changes) -> attn.LaunchPlan:
+    dec = dict(tile_n=64, num_stages=4, head_fast=False)
+    dec.update(changes, warp_specialized=True)
+    return plan_for(batch, ws, **dec)
+
+
+def ws_decode_batch(case, seed: int = 0) -> dict:
+    Hq, Hkv, D, bs, q_dtype, seq_lens, layout, _ = case
+    return make_batch(
+        [1] * len(seq_lens), seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D,
+        block_size=bs, q_dtype=q_dtype, layout=layout, seed=seed or sum(seq_lens),
+    )  # fmt: skip
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", WS_DECODE_CASES, ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}"
+                         f"-bs{c[3]}-{str(c[4])[6:]}-n{len(c[5])}-s{c[7]}")  # fmt: skip
+def test_ws_decode_matches_reference(case):
+    batch = ws_decode_batch(case)
+    ws = workspace(case[0], case[2], max_splits=64, rows=8)
+    run_case(batch, workspace=ws, plan=ws_decode_plan(batch, ws, num_splits=case[7]))
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "changes",
+    [dict(tile_n=128, num_stages=2), dict(num_stages=2), dict(num_stages=6), dict(head_fast=True)],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_ws_decode_configs(changes):
+    case = WS_DECODE_CASES[1]
+    batch = ws_decode_batch(case, seed=5)
+    ws = workspace(case[0], case[2], max_splits=64, rows=8)
+    run_case(batch, workspace=ws, plan=ws_decode_plan(batch, ws, num_splits=8, **changes))
+
+
+@needs_hopper
+def test_ws_decode_padding_request_and_repeats():
+    """A padding request (no query) is skipped; 20 launches with 33 splits give bit-identical
+    outputs and leave the split counters at zero (a race in the fused merge would show)."""
+    case = WS_DECODE_CASES[0]
+    Hq, Hkv, D, bs, q_dtype, _, layout, _ = case
+    batch = make_batch([1, 0, 1], [3000, 0, 900], num_q_heads=Hq, num_kv_heads=Hkv, head_size=D,
+                       block_size=bs, q_dtype=q_dtype, layout=layout, seed=9)  # fmt: skip
+    ws = workspace(Hq, D, max_splits=64, rows=8)
+    plan = ws_decode_plan(batch, ws, num_splits=33)
+    first = run_case(batch, workspace=ws, plan=plan)
+    args = {k: v for k, v in batch.items() if k != "num_rows"}
+    for _ in range(20):
+        out = nan_out(args["q"])
+        attn._run(
+            args["q"], args["key_cache"], args["value_cache"], out, args["cu_seqlens_q"],
+            args["seq_lens"], args["block_table"], args["max_query_len"], args["scale"], 0, 0.0,
+            None, None, None, ws, plan=plan,
+        )  # fmt: skip
+        assert torch.equal(out[: batch["num_rows"]], first[: batch["num_rows"]])
+    assert int(ws.counters.abs().sum()) == 0
+
+
+def test_ws_decode_plan_refused_for_a_mixed_batch():
+    """The decode kernel's plan on a batch with prefill rows (or anywhere `supports` refuses,
+    e.g. the CPU) raises, naming what it runs."""
+    case = WS_CASES[5]
+    batch = ws_batch(case)
+    ws = workspace(case[0], case[2])
+    plan = plan_for(batch, ws, warp_specialized=True)
+    with pytest.raises(ValueError, match="warp-specialized decode kernel runs decode-only"):
+        run_case(batch, workspace=ws, plan=plan)

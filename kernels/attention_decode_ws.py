@@ -1,0 +1,374 @@
+"""Paged attention, decode side on Hopper: a warp-specialized split-KV kernel (Gluon).
+
+For decode batches too small to fill the GPU (one to a few sequences with long contexts), time
+goes to memory latency, not bandwidth: in `attention_decode._decode_kernel` every warp both
+gathers a K/V tile and computes on it, so a program has at most one tile in flight and the
+block-table read that addresses the next tile waits behind the current one. Here a loader
+warpgroup gathers the tiles of the program's split through the block table with cp.async into a
+ring of `NUM_BUF` shared-memory slots, up to `NUM_BUF` tiles ahead of a compute warpgroup that
+runs QK^T and PV on wgmma (the `GROUP` query heads of the kv head padded to 64 rows) with an
+fp32 online softmax, as `attention_prefill_ws` does for prefill tiles.
+
+Same semantics and workspace as the Triton decode kernel for decode rows (query_len 1): one
+program per (sequence, kv head, split), each split a contiguous range of tiles; with several
+splits each program writes its partial (acc, m, l) and the last of a (sequence, kv head) to
+finish merges them (`attention_decode._merge_partials`'s arithmetic, atomic counter left at
+zero: CUDA-graph safe). Supported configurations: `attention_prefill_ws.supports` and at most 64
+query heads per kv head; `attention.plan_launch` says when it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._launch import launch, next_pow2
+from .attention_prefill_ws import LOAD_REGS, LOAD_WARPS, LOG2E, NEG_BIG, _softmax_step
+
+# Rows of the compute tile: one wgmma warpgroup's minimum, holding the kv head's query heads.
+ROWS = gl.constexpr(64)
+# fp32 elements of one merge step ([heads, splits, head size]): 64 registers a thread.
+MERGE_STEP_ELEMENTS = 8192
+
+
+@gluon.jit
+def _split_range(seq_len, split, num_splits, BLOCK_N: gl.constexpr):
+    """(lo, hi, n_tiles): this split's tiles [lo, hi) of the sequence's n_tiles."""
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    lo = gl.minimum(split * per_split, n_tiles)
+    hi = gl.minimum(lo + per_split, n_tiles)
+    return lo, hi, n_tiles
+
+
+@gluon.jit
+def _decode_load_partition(
+    q_row, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
+    seq, seq_len, kv_head, split, num_splits,
+    stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, PAGE: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    TPR: gl.constexpr = HEAD // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_l: gl.constexpr = gl.SliceLayout(0, layout)
+    offs_d = gl.arange(0, HEAD, layout=cols_l)
+
+    # Q rows: the kv head's query heads, repeated to fill the tile (padding rows never stored).
+    offs_m = gl.arange(0, ROWS, layout=rows_l)
+    head = kv_head * GROUP + offs_m % GROUP
+    async_copy.async_copy_global_to_shared(
+        q_smem, q_row + (head * stride_qh)[:, None] + offs_d[None, :]
+    )
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)
+    bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+    k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
+    offs_t = gl.arange(0, BLOCK_N, layout=rows_l)
+    for i in range(0, hi - lo):
+        slot = i % NUM_BUF
+        # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
+        mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
+        offs_n = (lo + i) * BLOCK_N + offs_t
+        n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
+        phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
+        in_page = offs_n % PAGE
+        k_ptrs = (k_base + phys * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :]
+        v_ptrs = (v_base + phys * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
+        if lo + i < n_tiles - 1:
+            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs)
+            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs)
+        else:  # the sequence's last tile: zero-filled past its end
+            ok = n_ok[:, None] & (offs_d < HEAD)[None, :]
+            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs, mask=ok)
+            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _decode_compute_partition(
+    q_smem, k_smem, v_smem, q_bar, ready, empty, seq_len, split, num_splits, qk_scale,
+    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    """(acc, m, l) of the split's tiles: unnormalized output, running max (base 2), sum."""
+    NW: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)
+    c = qk_scale * LOG2E
+    m_i = gl.full([ROWS], NEG_BIG, gl.float32, layout=s_rows)
+    l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+    acc = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(0, hi - lo):
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if lo + i == n_tiles - 1:  # keys past the sequence's end
+            s = gl.where(((lo + i) * BLOCK_N + offs_n0 < seq_len)[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _merge_splits(
+    out_row, part_o_ptr, part_ml_ptr, pbase, kv_head, num_splits, stride_oh,
+    GROUP: gl.constexpr, HEAD: gl.constexpr, MERGE_M: gl.constexpr, RED_SPLITS: gl.constexpr,
+):  # fmt: skip
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of this (sequence,
+    kv head), for its GROUP query heads; online over steps of RED_SPLITS splits. Loads bypass
+    L1 (.cg): the partials were written by other programs of this launch."""
+    NW: gl.constexpr = gl.num_warps()
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, NW, 1], [2, 1, 0])
+    l_ms: gl.constexpr = gl.SliceLayout(2, l3)  # [MERGE_M, RED_SPLITS]
+    l_md: gl.constexpr = gl.SliceLayout(1, l3)  # [MERGE_M, HEAD]
+    offs_r = gl.arange(0, MERGE_M, layout=gl.SliceLayout(1, l_ms))
+    offs_s = gl.arange(0, RED_SPLITS, layout=gl.SliceLayout(0, l_ms))
+    offs_d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    r_ok = offs_r < GROUP
+    m_run = gl.full([MERGE_M], NEG_BIG, gl.float32, layout=gl.SliceLayout(1, l_ms))
+    l_run = gl.zeros([MERGE_M], gl.float32, layout=gl.SliceLayout(1, l_ms))
+    acc = gl.zeros([MERGE_M, HEAD], gl.float32, layout=l_md)
+    rbase = pbase + offs_r.to(gl.int64) * num_splits  # row r's split 0
+    for s0 in range(0, num_splits, RED_SPLITS):
+        s_idx = s0 + offs_s
+        ok = r_ok[:, None] & (s_idx < num_splits)[None, :]
+        pidx = rbase[:, None] + s_idx[None, :]
+        m_s = gl.load(part_ml_ptr + pidx * 2, mask=ok, other=NEG_BIG, cache_modifier=".cg")
+        l_s = gl.load(part_ml_ptr + pidx * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        o_ptrs = part_o_ptr + (pidx * HEAD)[:, :, None] + offs_d[None, None, :]
+        o_s = gl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = gl.maximum(m_run, gl.max(m_s, 1))
+        alpha = gl.exp2(m_run - m_new)
+        w = gl.exp2(m_s - m_new[:, None])
+        l_run = l_run * alpha + gl.sum(w * l_s, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_md))[:, None] + gl.sum(
+            o_s * w[:, :, None], 1
+        )
+        m_run = m_new
+    l_o = gl.convert_layout(l_run, gl.SliceLayout(1, l_md))
+    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    offs_ro = gl.arange(0, MERGE_M, layout=gl.SliceLayout(1, l_md))
+    head = kv_head * GROUP + offs_ro
+    o_ptrs = out_row + (head * stride_oh)[:, None] + offs_d[None, :]
+    gl.store(o_ptrs, o.to(out_row.dtype.element_ty), mask=(offs_ro < GROUP)[:, None])
+
+
+# num_splits and num_seqs vary per batch: not specialized (no new variant mid-serving).
+@gluon.jit(do_not_specialize=["num_splits"])
+def _decode_ws_kernel(
+    q_ptr,  # [num_tokens, Hq, D] fp16/bf16
+    k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype (last dim contiguous)
+    v_ptr,  # [num_blocks, PAGE, Hkv, D]
+    out_ptr,  # [num_tokens, Hq, D] q's dtype
+    cu_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    bt_ptr,  # [num_seqs, max_blocks] int32
+    part_o_ptr,  # [num_seqs, Hq, num_splits, D] fp32 workspace (if SPLIT)
+    part_ml_ptr,  # [num_seqs, Hq, num_splits, 2] fp32 workspace: (m, l) in base 2
+    counter_ptr,  # [num_seqs * Hkv] int32 workspace, zero between launches (if SPLIT)
+    scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_Q_HEADS: gl.constexpr,
+    GROUP: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    PAGE: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    SPLIT: gl.constexpr,
+    MERGE_M: gl.constexpr,
+    RED_SPLITS: gl.constexpr,
+    HEAD_FAST: gl.constexpr,  # grid (Hkv, num_seqs, splits) instead of (num_seqs, Hkv, splits)
+):
+    if HEAD_FAST:
+        kv_head = gl.program_id(0)
+        seq = gl.program_id(1)
+    else:
+        seq = gl.program_id(0)
+        kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start = gl.load(cu_q_ptr + seq)
+    q_len = gl.load(cu_q_ptr + seq + 1) - q_start
+    if q_len > 0:  # else a padding request (CUDA-graph batch padding): nothing to write
+        seq_len = gl.load(seq_lens_ptr + seq)
+        tok = q_start.to(gl.int64)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [ROWS, HEAD], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        LOADERS: gl.constexpr = LOAD_WARPS * 32
+        mbarrier.init(q_bar, count=LOADERS)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=LOADERS)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        acc, m_i, l_i = gl.warp_specialize(
+            [
+                (
+                    _decode_compute_partition,
+                    (q_smem, k_smem, v_smem, q_bar, ready, empty, seq_len, split, num_splits,
+                     scale, BLOCK_N, HEAD, NUM_BUF),
+                ),
+                (
+                    _decode_load_partition,
+                    (q_ptr + tok * stride_qt, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem,
+                     q_bar, ready, empty, seq, seq_len, kv_head, split, num_splits, stride_qh,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_bt, GROUP, BLOCK_N, HEAD, PAGE, NUM_BUF),
+                ),
+            ],
+            [LOAD_WARPS],
+            [LOAD_REGS],
+        )  # fmt: skip
+
+        o_layout: gl.constexpr = acc.type.layout
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        offs_m = gl.arange(0, ROWS, layout=o_rows)
+        offs_d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        row_ok = offs_m < GROUP
+        head = kv_head * GROUP + offs_m
+        if SPLIT:
+            # This split's partial rows; the last program of the (sequence, kv head) to count
+            # itself merges. Release: every thread's stores, then the CTA barrier, then one
+            # gpu-scope acq_rel increment; the merging program acquires the others' partials.
+            pidx = (seq.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+            gl.store(part_o_ptr + (pidx * HEAD)[:, None] + offs_d[None, :], acc,
+                     mask=row_ok[:, None])  # fmt: skip
+            m_r = gl.convert_layout(m_i, o_rows)
+            l_r = gl.convert_layout(l_i, o_rows)
+            gl.store(part_ml_ptr + pidx * 2, m_r, mask=row_ok)
+            gl.store(part_ml_ptr + pidx * 2 + 1, l_r, mask=row_ok)
+            gl.thread_barrier()
+            cnt_ptr = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
+            arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                pbase = (seq.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_splits
+                _merge_splits(
+                    out_ptr + tok * stride_ot, part_o_ptr, part_ml_ptr, pbase, kv_head,
+                    num_splits, stride_oh, GROUP, HEAD, MERGE_M, RED_SPLITS,
+                )  # fmt: skip
+                gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        else:
+            l_o = gl.convert_layout(l_i, o_rows)
+            o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+            o_ptrs = out_ptr + tok * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :]
+            gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def launch_decode_ws(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    part_o: torch.Tensor | None,
+    part_ml: torch.Tensor | None,
+    counters: torch.Tensor | None,
+    *,
+    scale: float,
+    tile_n: int,
+    num_splits: int,
+    num_buf: int,
+    head_fast: bool,
+) -> None:
+    """Launch the warp-specialized decode kernel (a decode-only batch, query_len <= 1; validated
+    arguments; `attention_prefill_ws.supports` said yes; config from `attention.plan_launch`).
+    `part_o` / `part_ml` / `counters`: the split workspace (`num_splits` > 1), as
+    `attention_decode.launch_decode` takes it."""
+    num_seqs = seq_lens.shape[0]
+    num_q_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    split = num_splits > 1
+    merge_m = next_pow2(group)
+    red_splits = max(1, MERGE_STEP_ELEMENTS // (merge_m * head_size))
+    dummy = seq_lens
+    grid = (
+        (num_kv_heads, num_seqs, num_splits) if head_fast else (num_seqs, num_kv_heads, num_splits)
+    )
+    launch(
+        _decode_ws_kernel,
+        grid,
+        q,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        part_o if split else dummy,
+        part_ml if split else dummy,
+        counters if split else dummy,
+        scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        BLOCK_N=tile_n,
+        HEAD=head_size,
+        PAGE=key_cache.shape[1],
+        NUM_BUF=num_buf,
+        SPLIT=split,
+        MERGE_M=merge_m,
+        RED_SPLITS=red_splits,
+        HEAD_FAST=head_fast,
+        num_warps=4,
+    )
