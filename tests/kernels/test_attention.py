@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from fuselane.kernels import attention as attn
 from fuselane.kernels import _launch, attention_decode, attention_prefill
+from fuselane.kernels import attention as attn
 from fuselane.kernels._checks import FP8_E4M3
 from fuselane.kernels.attention import (
     SUPPORTED_BLOCK_SIZES,
