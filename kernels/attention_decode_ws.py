@@ -31,10 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch, next_pow2
-from .attention_prefill_ws import LOAD_REGS, LOAD_WARPS, LOG2E, NEG_BIG, _softmax_step
+from .attention_prefill_ws import LOAD_WARPS, LOG2E, NEG_BIG, _softmax_step
 
 # Rows of the compute tile: one wgmma warpgroup's minimum, holding the kv head's query heads.
 ROWS = gl.constexpr(64)
+# Registers of a loader thread: the compute warpgroup needs few here (a 64-row tile), and a
+# 128-token tile's copy addresses spill below about 100.
+LOAD_REGS = gl.constexpr(128)
 # fp32 elements of one merge step ([heads, splits, head size]): 64 registers a thread.
 MERGE_STEP_ELEMENTS = 8192
 
@@ -76,13 +79,20 @@ def _decode_load_partition(
     k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
     offs_t = gl.arange(0, BLOCK_N, layout=rows_l)
+    # Block-table entries one tile ahead: a tile's copies are addressed by entries that
+    # arrived while the previous tile's copies were issued, so the loader never stalls on
+    # the block table (at decode, a tile's copy takes about as long as that read's latency).
+    offs_n = lo * BLOCK_N + offs_t
+    phys_next = gl.load(bt_row + offs_n // PAGE, mask=offs_n < seq_len, other=0)
     for i in range(0, hi - lo):
         slot = i % NUM_BUF
-        # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
-        mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
         offs_n = (lo + i) * BLOCK_N + offs_t
         n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
-        phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
+        phys = phys_next.to(gl.int64)
+        offs_ahead = offs_n + BLOCK_N
+        phys_next = gl.load(bt_row + offs_ahead // PAGE, mask=offs_ahead < seq_len, other=0)
+        # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
+        mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
         in_page = offs_n % PAGE
         k_ptrs = (k_base + phys * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :]
         v_ptrs = (v_base + phys * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]

@@ -99,8 +99,8 @@ DECODE_SWEEP = {
     1: [dict(num_stages=5, num_splits=16, head_fast=False),
         # Hopper's warp-specialized decode kernel: `num_stages` K/V slots of `tile_n` tokens
         *(dict(warp_specialized=True, tile_n=t, num_stages=b, num_splits=n, head_fast=False)
-          for t, b, n in ((64, 4, 16), (64, 4, 33), (64, 2, 33), (128, 2, 16), (64, 6, 16),
-                          (128, 3, 16), (64, 3, 33), (64, 8, 16)))],
+          for t, b, n in ((64, 4, 16), (64, 6, 16), (128, 2, 16), (128, 3, 16), (64, 4, 33),
+                          (64, 2, 33), (64, 4, 8), (128, 3, 8)))],
     16: [dict(num_splits=2), dict(num_stages=3, num_splits=2, head_fast=True),
          *(dict(warp_specialized=True, tile_n=64, num_stages=b, num_splits=n, head_fast=False)
            for b, n in ((4, 1), (4, 2), (2, 2)))],

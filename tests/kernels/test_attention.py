@@ -418,7 +418,8 @@ def test_unchecked_entry_point_matches_checked():
     batch = make_batch([1, 5, 70], [400, 40, 300], num_q_heads=6, num_kv_heads=2, head_size=64,
                        block_size=16, seed=31)  # fmt: skip
     num_rows = batch.pop("num_rows")
-    options = dict(sliding_window=100, softcap=15.0, sinks=torch.linspace(-1.0, 1.0, 6))
+    options = dict(sliding_window=100, softcap=15.0,
+                   sinks=torch.linspace(-1.0, 1.0, 6, device=DEVICE))  # fmt: skip
     ws = workspace(6, 64)
     checked = paged_attention(out=nan_out(batch["q"]), **batch, workspace=ws, **options)
     unchecked = attn.paged_attention_unchecked(
