@@ -381,6 +381,17 @@ PREFILL_STAGE_FALLBACKS = (5, 3)
 PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
 # Head sizes the rule gives it: measured at 128 only (64 passes the GPU tests, not timed).
 PREFILL_WS_HEAD_SIZES = (128,)
+# Hopper, decode-only batches too small to fill the GPU (B=1 ... 4 at Hkv=8 on 132 SMs): the
+# warp-specialized decode kernel, one program per SM (144 KiB of shared memory: a 64-row Q
+# tile, two slots of 128-token K/V tiles), splits = SMs // (sequences x kv heads).
+# H200, B=1 ctx 32768 (attention-h200-2026-11-26-ws-decode.json): 128-token tiles, 2 slots, 16
+# splits 40.07 us (3.35 TB/s) against FlashInfer's 42.17 and the Triton kernel's 45.5; 64-token
+# tiles 4 / 6 slots 40.78 / 41.14; 33 splits (two programs per SM) 49.0-49.8; 8 splits 58.8-60.3.
+# B=16 (not taken): 68.0 against the Triton kernel's 67.7.
+DECODE_WS_TILE = (128, 2)  # (tile_n, slots)
+DECODE_WS_ROWS = 64  # the compute tile: one wgmma warpgroup's rows, >= query heads per kv head
+DECODE_WS_MIN_SPLITS = 4
+DECODE_WS_MAX_SPLITS = 64
 PREFILL_HEAD_FAST = True
 # Short prefills: 256-row tiles leave SMs idle (a 512-token prompt of Hkv=8, GQA 4 is 8 q blocks
 # x 8 heads = 64 programs on 132 SMs; vLLM 0.26 e2e on the H200, 2026-11-22: p50 TTFT 1.3-1.5x
@@ -589,6 +600,9 @@ def _plan_launch(
         num_stages=num_stages,
         head_fast=num_stages == DECODE_STAGES,
     )
+    if warp_specialized and max_query_len <= 1:
+        decode = _decode_ws_config(decode, num_seqs, num_q_heads, num_kv_heads, head_size, sms,
+                                   workspace)  # fmt: skip
     prefill = None
     if not decode_only:
         # Programs of the large tile, at most: every sequence as long as the longest query.
@@ -615,6 +629,40 @@ def _plan_launch(
             warp_specialized=ws,
         )
     return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def _decode_ws_config(
+    triton_config: DecodeConfig,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: SplitRoom | None,
+) -> DecodeConfig:
+    """The warp-specialized decode kernel's config for a decode-only batch it suits (one
+    program per SM, at least DECODE_WS_MIN_SPLITS splits each), else `triton_config`."""
+    group = num_q_heads // num_kv_heads
+    pairs = num_seqs * num_kv_heads
+    if workspace is None or head_size not in PREFILL_WS_HEAD_SIZES or group > DECODE_WS_ROWS:
+        return triton_config
+    rows = num_seqs * num_q_heads  # one query position per sequence
+    fit = min(
+        workspace.partial_out // (rows * head_size),
+        workspace.partial_ml // (rows * 2),
+        workspace.max_splits,
+        DECODE_WS_MAX_SPLITS,
+    )
+    if workspace.counters < pairs:
+        return triton_config
+    splits = min(sms // pairs, fit)
+    if splits < DECODE_WS_MIN_SPLITS:
+        return triton_config
+    tile_n, slots = DECODE_WS_TILE
+    return DecodeConfig(
+        qpos=1, block_m=DECODE_WS_ROWS, tile_n=tile_n, num_splits=splits, max_q=0, num_warps=4,
+        num_stages=slots, head_fast=False, warp_specialized=True,
+    )  # fmt: skip
 
 
 def reachable_plans(

@@ -96,21 +96,21 @@ DECODE_SWEEP_LARGE_B = [
     dict(tile_n=64, num_stages=7),
 ]
 DECODE_SWEEP = {
-    1: [dict(num_stages=5, num_splits=16, head_fast=False),
+    1: [dict(),  # the Triton kernel's rule (the Hopper rule's before 2026-11-26)
+        dict(num_stages=5, num_splits=16, head_fast=False),
         # Hopper's warp-specialized decode kernel: `num_stages` K/V slots of `tile_n` tokens
-        *(dict(warp_specialized=True, tile_n=t, num_stages=b, num_splits=n, head_fast=False)
-          for t, b, n in ((64, 4, 16), (64, 6, 16), (128, 2, 16), (128, 3, 16), (64, 4, 33),
-                          (64, 2, 33), (64, 4, 8), (128, 3, 8)))],
+        *(dict(warp_specialized=True, tile_n=t, num_stages=b, num_splits=n)
+          for t, b, n in ((64, 4, 16), (64, 6, 16), (128, 3, 16), (128, 2, 12), (128, 2, 20)))],
     16: [dict(num_splits=2), dict(num_stages=3, num_splits=2, head_fast=True),
-         *(dict(warp_specialized=True, tile_n=64, num_stages=b, num_splits=n, head_fast=False)
-           for b, n in ((4, 1), (4, 2), (2, 2)))],
+         *(dict(warp_specialized=True, tile_n=t, num_stages=b, num_splits=1)
+           for t, b in ((64, 4), (128, 2)))],
     64: DECODE_SWEEP_LARGE_B,
     128: DECODE_SWEEP_LARGE_B,
     256: DECODE_SWEEP_LARGE_B,
 }  # fmt: skip
 # Batches between the measured cases, where the rule switches regime (ctx 4096): each timed
 # with the rule's plan and with the other regime's plan (decode_rule section).
-DECODE_RULE_BATCHES = (4, 8, 24, 32, 40, 48)
+DECODE_RULE_BATCHES = (2, 4, 8, 24, 32, 40, 48)
 # Prefill: (block_m, block_n, num_warps, num_stages, head_fast) at every prefill length; the
 # rule picks 256x64, 16 warps, 7 stages, kv-head-fastest grid (sweep points equal to the rule's
 # config are skipped). With wgmma the pipeliner keeps one more K/V buffer than for mma.sync, but
@@ -507,7 +507,12 @@ def fuselane_fn(run: Runner, p: Problem, out: torch.Tensor, plan=None) -> Callab
     return fn
 
 
-def default_plan(p: Problem, run: Runner) -> attn.LaunchPlan:
+def default_plan(p: Problem, run: Runner, warp_specialized: bool | None = None) -> attn.LaunchPlan:
+    """The launch rule's plan for `p` (warp_specialized: None = as `paged_attention` decides)."""
+    if warp_specialized is None:
+        warp_specialized = attn.prefill_ws.supports(
+            p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
+        )
     return attn.plan_launch(
         num_seqs=len(p.lens),
         num_q_heads=p.q.shape[1],
@@ -518,9 +523,7 @@ def default_plan(p: Problem, run: Runner) -> attn.LaunchPlan:
         workspace=run.workspace,
         kv_bytes=p.kv.element_size(),
         max_smem=attn.smem_per_block(p.q.device),
-        warp_specialized=attn.prefill_ws.supports(
-            p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
-        ),
+        warp_specialized=warp_specialized,
     )
 
 
@@ -686,9 +689,16 @@ def bench_decode_sweep(run: Runner, p: Problem, plan, nbytes: int, expected: Exp
     run.time(section, case, "fuselane", fuselane_fn(run, p, out), nbytes=nbytes,
              extra=plan_extra(plan))  # fmt: skip
     changes = DECODE_SWEEP.get(len(p.lens), DECODE_SWEEP_LARGE_B)
+    # Changes apply to the Triton kernel's plan, or (warp_specialized=True) to the
+    # warp-specialized kernel's: the rule's, if it took that kernel.
+    triton = default_plan(p, run, warp_specialized=False).decode
+    ws_base = plan.decode if plan.decode.warp_specialized else dataclasses.replace(
+        triton, block_m=attn.DECODE_WS_ROWS, max_q=0, head_fast=False, warp_specialized=True
+    )  # fmt: skip
     points = []
     for change in changes:
-        dec = dataclasses.replace(plan.decode, **change)
+        base = ws_base if change.get("warp_specialized") else triton
+        dec = dataclasses.replace(base, **change)
         if dec != plan.decode and dec not in points:
             points.append(dec)
     for dec in points:
@@ -731,7 +741,10 @@ def bench_decode_rule(run: Runner, pool, ok: bool, gen) -> None:
         fn = fuselane_fn(run, p, out)
         if verify(run, f"{section} {case} fuselane", fn, out, expected):
             run.time(section, case, "fuselane", fn, nbytes=nbytes, extra=plan_extra(plan))
-        alt = dataclasses.replace(plan, decode=other_regime(run, plan, p))
+        if plan.decode.warp_specialized:  # the Triton kernel's plan
+            alt = default_plan(p, run, warp_specialized=False)
+        else:
+            alt = dataclasses.replace(plan, decode=other_regime(run, plan, p))
         label = decode_label(alt.decode)
         fn = fuselane_fn(run, p, out, alt)
         if verify(run, f"{section} {case} {label}", fn, out, expected):

@@ -846,7 +846,8 @@ def test_reachable_plans_cover_every_batch(hq, hkv, d, warp_specialized):
         for q in (*range(1, 21), 512, 2048, 4096, 16384)
     }
     assert seen == reachable
-    assert len(reachable) <= 12
+    # Start-up compiles each one; Hopper's warp-specialized decode kernel adds one variant.
+    assert len(reachable) <= 12 + warp_specialized
 
 
 def test_warm_up_launches_each_variant_without_touching_the_cache():

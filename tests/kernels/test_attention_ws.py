@@ -267,3 +267,29 @@ def test_ws_decode_plan_refused_for_a_mixed_batch():
     plan = plan_for(batch, ws, warp_specialized=True)
     with pytest.raises(ValueError, match="warp-specialized decode kernel runs decode-only"):
         run_case(batch, workspace=ws, plan=plan)
+
+
+def test_rule_takes_the_ws_decode_kernel_for_small_decode_batches():
+    """Decode-only batches of at most SMs / (4 x Hkv) sequences, one program per SM."""
+    ws = attn.AttentionWorkspace.allocate(256, 32, 128, torch.device("cpu"), max_splits=64)
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_size=128, sms=132, workspace=ws)
+    splits = {}
+    for b in range(1, 9):
+        dec = attn.plan_launch(num_seqs=b, max_query_len=1, warp_specialized=True, **kw).decode
+        if dec.warp_specialized:
+            assert (dec.tile_n, dec.num_stages) == attn.DECODE_WS_TILE
+            assert dec.num_splits * b * 8 <= 132
+            splits[b] = dec.num_splits
+    assert splits == {1: 16, 2: 8, 3: 5, 4: 4}
+    # Not taken: spec-verify rows, no workspace, head sizes it was not timed at, no capability.
+    for changes in (
+        dict(max_query_len=2),
+        dict(workspace=None),
+        dict(head_size=64),
+        dict(warp_specialized=False),
+    ):
+        args = dict(kw, num_seqs=1, max_query_len=1, warp_specialized=True)
+        assert not attn.plan_launch(**{**args, **changes}).decode.warp_specialized, changes
+    small = attn.AttentionWorkspace.allocate(1, 32, 128, torch.device("cpu"), max_splits=2)
+    args = dict(kw, num_seqs=1, max_query_len=1, warp_specialized=True, workspace=small)
+    assert not attn.plan_launch(**args).decode.warp_specialized  # room for 2 splits only
