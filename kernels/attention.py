@@ -46,14 +46,38 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention_decode_ws as decode_ws
-from . import attention_prefill_ws as prefill_ws
 from ._checks import FP8_E4M3, check_choice, check_tensor
 from ._launch import LaunchCache, cdiv, next_pow2, use_custom_op
 from .attention_decode import launch_decode
 from .attention_prefill import launch_prefill
 
+try:  # Hopper's warp-specialized kernels are written in Gluon (Triton 3.6's experimental API)
+    from . import attention_decode_ws as decode_ws
+    from . import attention_prefill_ws as prefill_ws
+except ImportError:  # a Triton without it: the Triton kernels run every batch
+    decode_ws = prefill_ws = None  # type: ignore[assignment]
+_WS_HEAD_SIZES = prefill_ws.WS_HEAD_SIZES if prefill_ws is not None else ()
+
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
+
+
+def warp_specialized_ok(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    sliding_window: int,
+    softcap: float,
+    has_sinks: bool,
+) -> bool:
+    """Whether Hopper's warp-specialized kernels can run a call with these tensors and options
+    (`attention_prefill_ws.supports`; False where this Triton lacks Gluon)."""
+    return prefill_ws is not None and prefill_ws.supports(
+        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
+        has_sinks=has_sinks,
+    )  # fmt: skip
+
+
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 # fp32 is for exactness checks and the CPU engine (vLLM's fp32 runs give token-identical greedy
 # output to transformers); on a GPU it takes the slow ieee fp32 dot path, not tensor cores.
@@ -727,7 +751,7 @@ def warm_up(
     device = key_cache.device
     window = 0 if sliding_window is None else sliding_window
     probe = torch.empty(0, num_q_heads, head_size, dtype=q_dtype, device=device)
-    ws = prefill_ws.supports(probe, key_cache, value_cache, sliding_window=window,
+    ws = warp_specialized_ok(probe, key_cache, value_cache, sliding_window=window,
                              softcap=softcap, has_sinks=sinks is not None)  # fmt: skip
     plans = reachable_plans(
         num_q_heads=num_q_heads, num_kv_heads=key_cache.shape[2], head_size=head_size,
@@ -909,7 +933,7 @@ def _run(
             workspace=workspace,
             kv_bytes=key_cache.element_size(),
             max_smem=smem_per_block(q.device),
-            warp_specialized=prefill_ws.supports(
+            warp_specialized=warp_specialized_ok(
                 q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
                 has_sinks=sinks is not None,
             ),
@@ -920,14 +944,14 @@ def _run(
     dec = plan.decode
     if dec.warp_specialized:
         has_sinks = sinks is not None
-        if plan.prefill is not None or dec.qpos != 1 or not prefill_ws.supports(
+        if plan.prefill is not None or dec.qpos != 1 or not warp_specialized_ok(
             q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
             has_sinks=has_sinks,
         ):  # fmt: skip
             raise ValueError(
                 "paged_attention: the warp-specialized decode kernel runs decode-only batches "
                 "(query_len 1) on sm_90 GPUs, fp16/bf16 with a cache of the same dtype, head "
-                f"sizes {prefill_ws.WS_HEAD_SIZES}, without sliding window, soft cap or sinks; "
+                f"sizes {_WS_HEAD_SIZES}, without sliding window, soft cap or sinks; "
                 f"got max_query_len {max_query_len}, {q.device} {q.dtype} cache "
                 f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
                 f"{softcap}, sinks {has_sinks}"
@@ -971,7 +995,7 @@ def _run(
     if plan.prefill is not None and plan.prefill.warp_specialized:
         pre = plan.prefill
         has_sinks = sinks is not None
-        if not prefill_ws.supports(
+        if not warp_specialized_ok(
             q,
             key_cache,
             value_cache,
@@ -981,7 +1005,7 @@ def _run(
         ):
             raise ValueError(
                 "paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs, fp16/bf16 "
-                f"with a cache of the same dtype, head sizes {prefill_ws.WS_HEAD_SIZES}, without "
+                f"with a cache of the same dtype, head sizes {_WS_HEAD_SIZES}, without "
                 f"sliding window, soft cap or sinks; got {q.device} {q.dtype} cache "
                 f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
                 f"{softcap}, sinks {sinks is not None}"

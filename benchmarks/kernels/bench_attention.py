@@ -510,7 +510,7 @@ def fuselane_fn(run: Runner, p: Problem, out: torch.Tensor, plan=None) -> Callab
 def default_plan(p: Problem, run: Runner, warp_specialized: bool | None = None) -> attn.LaunchPlan:
     """The launch rule's plan for `p` (warp_specialized: None = as `paged_attention` decides)."""
     if warp_specialized is None:
-        warp_specialized = attn.prefill_ws.supports(
+        warp_specialized = attn.warp_specialized_ok(
             p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
         )
     return attn.plan_launch(

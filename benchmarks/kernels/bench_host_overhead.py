@@ -161,7 +161,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     plan_args = dict(
         num_seqs=len(p.lens), num_q_heads=ba.HQ, num_kv_heads=ba.HKV, head_size=ba.D,
         max_query_len=max(p.q_lens), sms=attn.sm_count(p.q.device), workspace=workspace,
-        warp_specialized=attn.prefill_ws.supports(
+        warp_specialized=attn.warp_specialized_ok(
             p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
         ),
     )  # fmt: skip

@@ -293,3 +293,18 @@ def test_rule_takes_the_ws_decode_kernel_for_small_decode_batches():
     small = attn.AttentionWorkspace.allocate(1, 32, 128, torch.device("cpu"), max_splits=2)
     args = dict(kw, num_seqs=1, max_query_len=1, warp_specialized=True, workspace=small)
     assert not attn.plan_launch(**args).decode.warp_specialized  # room for 2 splits only
+
+
+def test_without_gluon_the_triton_kernels_run(monkeypatch):
+    """A Triton without Gluon's Hopper API (the import failed): nothing plans the
+    warp-specialized kernels, and a plan that names one is refused with the reason."""
+    monkeypatch.setattr(attn, "prefill_ws", None)
+    monkeypatch.setattr(attn, "decode_ws", None)
+    case = WS_CASES[4]
+    batch = ws_batch(case)
+    args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
+    assert not attn.warp_specialized_ok(**args, sliding_window=0, softcap=0.0, has_sinks=False)
+    ws = workspace(case[0], case[2])
+    run_case(batch, workspace=ws)  # the rule's plan: Triton kernels
+    with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
+        run_case(batch, workspace=ws, plan=ws_plan(batch, ws))
