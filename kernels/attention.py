@@ -398,10 +398,11 @@ PREFILL_STAGE_FALLBACKS = (5, 3)
 # Hopper, where the call's dtypes and options allow it (attention_prefill_ws.supports): the
 # warp-specialized kernel for the launches that take the large tile: 256 rows in two compute
 # warpgroups, 64 keys, a ring of 4 K/V slots (193 KiB of shared memory), kv-head-fastest grid.
-# H200, same run as the Triton rule (attention-h200-2026-11-26-ws.json, TFLOP/s at S = 4k / 8k
-# / 16k): 465.9 / 508.7 / 529.3 against 425.8 / 456.4 / 473.4; 3 slots 464.4 / 503.8 / 508.2,
-# 2 slots 442.7 / 498.5 / 498.6; seq-major grid 410.9 / 513.3 / 533.7; 128 rows (one
-# warpgroup's 64 each) 386.5 / 415.5 / 424.2; 128x128 with 2 slots 270.4 / 286.7 / 294.8.
+# H200, same run as the Triton rule (attention-h200-2026-11-26-ws-sweep.json, TFLOP/s at
+# S = 4k / 8k / 16k): 465.9 / 508.7 / 529.3 against 425.8 / 456.4 / 473.4; 3 slots 464.4 /
+# 503.8 / 508.2, 2 slots 442.7 / 498.5 / 498.6; seq-major grid 410.9 / 513.3 / 533.7; 128 rows
+# (one warpgroup's 64 each) 386.5 / 415.5 / 424.2; 128x128 with 2 slots 270.4 / 286.7 / 294.8.
+# Final run (-ws-final.json): 460.3 / 500.0 / 517.6; 5 slots 450.5 / 499.5 / 499.6.
 PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
 # Head sizes the rule gives it: measured at 128 only (64 passes the GPU tests, not timed).
 PREFILL_WS_HEAD_SIZES = (128,)
@@ -411,7 +412,8 @@ PREFILL_WS_HEAD_SIZES = (128,)
 # H200, B=1 ctx 32768 (attention-h200-2026-11-26-ws-decode.json): 128-token tiles, 2 slots, 16
 # splits 40.07 us (3.35 TB/s) against FlashInfer's 42.17 and the Triton kernel's 45.5; 64-token
 # tiles 4 / 6 slots 40.78 / 41.14; 33 splits (two programs per SM) 49.0-49.8; 8 splits 58.8-60.3.
-# B=16 (not taken): 68.0 against the Triton kernel's 67.7.
+# B=16 (not taken): 68.0 against the Triton kernel's 67.7. Final run (-ws-final.json): B=1
+# 40.0 us; ctx 4096: B=2 14.3 (Triton kernel 15.1), B=4 23.7 (26.9).
 DECODE_WS_TILE = (128, 2)  # (tile_n, slots)
 DECODE_WS_ROWS = 64  # the compute tile: one wgmma warpgroup's rows, >= query heads per kv head
 DECODE_WS_MIN_SPLITS = 4
