@@ -26,12 +26,17 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from ._launch import launch, next_pow2
-from .attention_prefill_ws import LOAD_WARPS, LOG2E, NEG_BIG, _softmax_step
+from .attention_prefill_ws import (
+    LOAD_WARPS,
+    LOG2E,
+    NEG_BIG,
+    _attend_slot,
+    _copy_kv_tile,
+    _kv_tile_ptrs,
+)
 
 # Rows of the compute tile: one wgmma warpgroup's minimum, holding the kv head's query heads.
 ROWS = gl.constexpr(64)
@@ -93,16 +98,12 @@ def _decode_load_partition(
         phys_next = gl.load(bt_row + offs_ahead // PAGE, mask=offs_ahead < seq_len, other=0)
         # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
         mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
-        in_page = offs_n % PAGE
-        k_ptrs = (k_base + phys * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :]
-        v_ptrs = (v_base + phys * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
+        k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb,
+                                       stride_ks, stride_vb, stride_vs, PAGE)  # fmt: skip
         if lo + i < n_tiles - 1:
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs)
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs)
-        else:  # the sequence's last tile: zero-filled past its end
-            ok = n_ok[:, None] & (offs_d < HEAD)[None, :]
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs, mask=ok)
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs, mask=ok)
+            _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, None, False)
+        else:  # the sequence's last tile
+            _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, n_ok, True)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
@@ -119,10 +120,8 @@ def _decode_compute_partition(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD, 16]
     )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)
     c = qk_scale * LOG2E
@@ -132,20 +131,21 @@ def _decode_compute_partition(
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
 
+    # Every tile but the sequence's last is whole; the last masks the keys past its end.
+    n_whole = gl.maximum(hi - lo - (hi == n_tiles).to(gl.int32), 0)  # an empty split: 0
     mbarrier.wait(q_bar, 0)
-    for i in range(0, hi - lo):
+    for i in range(0, n_whole):
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma_wait(0, deps=(s,))
-        if lo + i == n_tiles - 1:  # keys past the sequence's end
-            s = gl.where(((lo + i) * BLOCK_N + offs_n0 < seq_len)[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, m_i, l_i = _attend_slot(q_smem, k_smem.index(slot), v_smem.index(slot), acc, m_i,
+                                     l_i, c, s_zero, None, False)  # fmt: skip
+        mbarrier.arrive(empty.index(slot))
+    for i in range(n_whole, hi - lo):
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        keep = ((lo + i) * BLOCK_N + offs_n0 < seq_len)[None, :]
+        acc, m_i, l_i = _attend_slot(q_smem, k_smem.index(slot), v_smem.index(slot), acc, m_i,
+                                     l_i, c, s_zero, keep, True)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
     return acc, m_i, l_i
 

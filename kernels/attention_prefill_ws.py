@@ -172,29 +172,60 @@ def _load_partition(
         offs_n = j * BLOCK_N + offs_t
         n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
         phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
-        in_page = offs_n % PAGE
-        k_rows = k_base + phys * stride_kb + in_page * stride_ks
-        v_rows = v_base + phys * stride_vb + in_page * stride_vs
-        k_ptrs = k_rows[:, None] + offs_d[None, :]
-        v_ptrs = v_rows[:, None] + offs_d[None, :]
+        k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb,
+                                       stride_ks, stride_vb, stride_vs, PAGE)  # fmt: skip
         if j < n_full:
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs)
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs)
-        else:  # zero-filled past the sequence's end
-            ok = n_ok[:, None] & (offs_d < HEAD)[None, :]
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), k_ptrs, mask=ok)
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptrs, mask=ok)
+            _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, None, False)
+        else:
+            _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, n_ok, True)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, c, row_l: gl.constexpr):
-    """(p, alpha, m_new, l_new) of one score tile (base-2 online softmax, raw scores s)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+def _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
+                  stride_vs, PAGE: gl.constexpr):  # fmt: skip
+    """[tile rows, HEAD] addresses of one K/V tile: rows `offs_n` of the sequence, in the pages
+    `phys` (int64, one entry per row, from the block table)."""
+    in_page = offs_n % PAGE
+    k_ptrs = (k_base + phys * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :]
+    v_ptrs = (v_base + phys * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
+    return k_ptrs, v_ptrs
+
+
+@gluon.jit
+def _copy_kv_tile(k_dst, v_dst, k_ptrs, v_ptrs, n_ok, MASKED: gl.constexpr):
+    """Issue the cp.async copies of one K/V tile into the slots `k_dst` / `v_dst`; MASKED: the
+    rows that are not `n_ok` (past the sequence's end: garbage or NaN) are zero-filled."""
+    if MASKED:
+        async_copy.async_copy_global_to_shared(k_dst, k_ptrs, mask=n_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_dst, v_ptrs, mask=n_ok[:, None])
+    else:
+        async_copy.async_copy_global_to_shared(k_dst, k_ptrs)
+        async_copy.async_copy_global_to_shared(v_dst, v_ptrs)
+
+
+@gluon.jit
+def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED: gl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) by one K/V tile in shared memory: s = q k^T on
+    wgmma (raw scores; MASKED: where not `keep`, -inf), p = 2^(c s - m_new) in fp32, acc rescaled,
+    then acc += p v on wgmma with p from registers. Waits for both products: the caller may
+    release the slot afterwards."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                 k_width=2)  # fmt: skip
+    s = warpgroup_mma(q_rows, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    if MASKED:
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * c)  # c > 0: max(c * s) = c * max(s)
     p = gl.exp2(s * c - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_new
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p_op = gl.convert_layout(p.to(q_rows.dtype), p_layout)
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, m_new, l_i
 
 
 @gluon.jit
@@ -213,7 +244,6 @@ def _compute_partition(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD, 16]
     )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -234,28 +264,15 @@ def _compute_partition(
     for j in range(0, n_full):  # interior: every key visible to every row
         slot = j % NUM_BUF
         mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
-        k_t = k_smem.index(slot).permute((1, 0))
-        s = warpgroup_mma(q_rows, k_t, s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_op = gl.convert_layout(p.to(q_rows.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
+                                     l_i, c, s_zero, None, False)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
     for j in range(n_full, n_tiles):  # the diagonal: key <= the row's own position
         slot = j % NUM_BUF
         mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
-        k_t = k_smem.index(slot).permute((1, 0))
-        s = warpgroup_mma(q_rows, k_t, s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        offs_n = j * BLOCK_N + offs_n0
-        s = gl.where(offs_n[None, :] <= q_abs[:, None], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, c, s_rows)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_op = gl.convert_layout(p.to(q_rows.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        keep = (j * BLOCK_N + offs_n0)[None, :] <= q_abs[:, None]
+        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
+                                     l_i, c, s_zero, keep, True)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
 
     l_o = gl.convert_layout(l_i, o_rows)
