@@ -550,6 +550,23 @@ def _splitkv_reduce_kernel(
 MERGE_STEP_ELEMENTS = 8192
 
 
+def layout_strides(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+) -> tuple[int, ...]:
+    """The element strides every attention kernel takes, in their argument order: q and out
+    (token, head), the K and V caches (block, slot, head) and the block table (row)."""
+    return (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+    )  # fmt: skip
+
+
 def launch_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -622,17 +639,7 @@ def launch_decode(
         scale,
         softcap if softcap > 0 else 1.0,
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_table.stride(0),
+        *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
         GROUP=num_q_heads // num_kv_heads,
         QPOS=qpos,

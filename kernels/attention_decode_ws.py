@@ -24,15 +24,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
 )
 
 from ._launch import launch, next_pow2
+from .attention_decode import layout_strides
 from .attention_prefill_ws import (
     LOAD_WARPS,
     LOG2E,
     NEG_BIG,
+    _allocate_ring,
     _attend_slot,
     _copy_kv_tile,
     _kv_tile_ptrs,
@@ -243,21 +244,9 @@ def _decode_ws_kernel(
     if q_len > 0:  # else a padding request (CUDA-graph batch padding): nothing to write
         seq_len = gl.load(seq_lens_ptr + seq)
         tok = q_start.to(gl.int64)
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [ROWS, HEAD], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        LOADERS: gl.constexpr = LOAD_WARPS * 32
-        mbarrier.init(q_bar, count=LOADERS)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=LOADERS)
-            mbarrier.init(empty.index(i), count=1)
-        fence_async_shared()
+        q_smem, k_smem, v_smem, q_bar, ready, empty = _allocate_ring(
+            q_ptr.dtype.element_ty, ROWS, BLOCK_N, HEAD, NUM_BUF, 1
+        )
         acc, m_i, l_i = gl.warp_specialize(
             [
                 (
@@ -359,17 +348,7 @@ def launch_decode_ws(
         counters if split else dummy,
         scale,
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_table.stride(0),
+        *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
         BLOCK_N=tile_n,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch, next_pow2
-from .attention_decode import LOG2E, NEG_BIG, _attend_range
+from .attention_decode import LOG2E, NEG_BIG, _attend_range, layout_strides
 
 # Largest grid extent on CUDA's second axis.
 MAX_GRID_YZ = 65535
@@ -206,17 +206,7 @@ def launch_prefill(
         scale,
         softcap if softcap > 0 else 1.0,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_table.stride(0),
+        *layout_strides(q, out, key_cache, value_cache, block_table),
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch
+from .attention_decode import layout_strides
 from .attention_prefill import MAX_GRID_YZ
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -288,6 +289,31 @@ def _compute_partition(
     gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@gluon.jit
+def _allocate_ring(
+    dtype: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr,
+    NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr,
+):  # fmt: skip
+    """Shared memory of a warp-specialized program: the Q tile, NUM_BUF K and V slots (wgmma
+    operand layouts), and their barriers, initialized: `q_bar` and `ready[i]` complete when
+    every loader thread's copies have landed, `empty[i]` after CONSUMERS arrivals."""
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    LOADERS: gl.constexpr = LOAD_WARPS * 32
+    mbarrier.init(q_bar, count=LOADERS)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=LOADERS)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, ready, empty
+
+
 # num_seqs varies per batch: not specialized (no new variant mid-serving for 1 or 16 sequences).
 @gluon.jit(do_not_specialize=["num_seqs"])
 def _prefill_ws_kernel(
@@ -331,21 +357,10 @@ def _prefill_ws_kernel(
         qb_global, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, MIN_Q
     )
     if live:
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        LOADERS: gl.constexpr = LOAD_WARPS * 32
-        mbarrier.init(q_bar, count=LOADERS)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=LOADERS)
-            mbarrier.init(empty.index(i), count=2)  # one arrival per compute warpgroup
-        fence_async_shared()
+        # `empty`: one arrival per compute warpgroup
+        q_smem, k_smem, v_smem, q_bar, ready, empty = _allocate_ring(
+            q_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD, NUM_BUF, 2
+        )
         WG_ROWS: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize(
             [
@@ -413,17 +428,7 @@ def launch_prefill_ws(
         block_table,
         scale,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_table.stride(0),
+        *layout_strides(q, out, key_cache, value_cache, block_table),
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

@@ -50,6 +50,23 @@ def ws_batch(case, seed: int = 0) -> dict:
     )  # fmt: skip
 
 
+def assert_repeats_agree(batch: dict, ws, plan: attn.LaunchPlan, times: int = 20) -> None:
+    """`plan` on `batch`: checked against the reference once, then launched `times` more into
+    fresh poisoned outputs, each equal to the first to the bit (a barrier-phase, slot-reuse or
+    split-merge race would show as a difference between launches)."""
+    first = run_case(batch, workspace=ws, plan=plan)
+    rows = batch["num_rows"]
+    b = batch
+    for _ in range(times):
+        out = nan_out(b["q"])
+        attn._run(
+            b["q"], b["key_cache"], b["value_cache"], out, b["cu_seqlens_q"], b["seq_lens"],
+            b["block_table"], b["max_query_len"], b["scale"], 0, 0.0, None, None, None, ws,
+            plan=plan,
+        )  # fmt: skip
+        assert torch.equal(out[:rows], first[:rows])
+
+
 @needs_hopper
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-bs{c[3]}"
                          f"-{str(c[4])[6:]}-q{'_'.join(map(str, c[5]))}")  # fmt: skip
@@ -86,17 +103,7 @@ def test_ws_prefill_repeated_launches_agree():
     batch = ws_batch(case, seed=3)
     ws = workspace(case[0], case[2])
     plan = ws_plan(batch, ws, num_stages=2)
-    first = run_case(batch, workspace=ws, plan=plan)
-    args = {k: v for k, v in batch.items() if k != "num_rows"}
-    for _ in range(20):
-        out = nan_out(args["q"])
-        attn._run(
-            args["q"], args["key_cache"], args["value_cache"], out, args["cu_seqlens_q"],
-            args["seq_lens"], args["block_table"], args["max_query_len"], args["scale"], 0, 0.0,
-            None, None, None, ws, plan=plan,
-        )  # fmt: skip
-        rows = batch["num_rows"]
-        assert torch.equal(out[:rows], first[:rows])
+    assert_repeats_agree(batch, ws, plan)
 
 
 def test_ws_plan_refused_where_the_kernel_cannot_run():
@@ -245,16 +252,7 @@ def test_ws_decode_padding_request_and_repeats():
                        block_size=bs, q_dtype=q_dtype, layout=layout, seed=9)  # fmt: skip
     ws = workspace(Hq, D, max_splits=64, rows=8)
     plan = ws_decode_plan(batch, ws, num_splits=33)
-    first = run_case(batch, workspace=ws, plan=plan)
-    args = {k: v for k, v in batch.items() if k != "num_rows"}
-    for _ in range(20):
-        out = nan_out(args["q"])
-        attn._run(
-            args["q"], args["key_cache"], args["value_cache"], out, args["cu_seqlens_q"],
-            args["seq_lens"], args["block_table"], args["max_query_len"], args["scale"], 0, 0.0,
-            None, None, None, ws, plan=plan,
-        )  # fmt: skip
-        assert torch.equal(out[: batch["num_rows"]], first[: batch["num_rows"]])
+    assert_repeats_agree(batch, ws, plan)
     assert int(ws.counters.abs().sum()) == 0
 
 
@@ -308,3 +306,46 @@ def test_without_gluon_the_triton_kernels_run(monkeypatch):
     run_case(batch, workspace=ws)  # the rule's plan: Triton kernels
     with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
         run_case(batch, workspace=ws, plan=ws_plan(batch, ws))
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_launchers_bind_every_kernel_argument(monkeypatch, which):
+    """The launchers' argument lists against the kernels' signatures (runs on the CPU, where the
+    kernels themselves cannot): every parameter bound once, strides and shapes where they
+    belong."""
+    from fuselane.kernels import attention_decode_ws as decode_ws
+
+    module = prefill_ws if which == "prefill" else decode_ws
+    calls = []
+    monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **kw: calls.append((fn, a, kw)))
+    if which == "prefill":
+        batch = ws_batch(WS_CASES[2])
+        b = batch
+        prefill_ws.launch_prefill_ws(
+            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), b["cu_seqlens_q"],
+            b["seq_lens"], b["block_table"], scale=0.1, block_m=256, block_n=64, min_q=8,
+            head_fast=True, num_warps=4, num_buf=4,
+        )  # fmt: skip
+    else:
+        batch = ws_decode_batch(WS_DECODE_CASES[2])
+        b = batch
+        ws = workspace(16, 128, max_splits=8, rows=8)
+        decode_ws.launch_decode_ws(
+            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), b["cu_seqlens_q"],
+            b["seq_lens"], b["block_table"], ws.partial_out, ws.partial_ml, ws.counters,
+            scale=0.1, tile_n=128, num_splits=4, num_buf=2, head_fast=False,
+        )  # fmt: skip
+    ((fn, args, kwargs),) = calls
+    assert kwargs.pop("num_warps") == 4  # a launch option, not a kernel parameter
+    names = fn.arg_names
+    bound = dict(zip(names, args, strict=False))
+    assert len(args) + len(kwargs) == len(names)
+    assert not set(bound) & set(kwargs)
+    bound.update(kwargs)
+    kc, vc, q = batch["key_cache"], batch["value_cache"], batch["q"]
+    assert (bound["stride_kb"], bound["stride_ks"], bound["stride_kh"]) == kc.stride()[:3]
+    assert (bound["stride_vb"], bound["stride_vs"], bound["stride_vh"]) == vc.stride()[:3]
+    assert (bound["stride_qt"], bound["stride_qh"]) == q.stride()[:2]
+    assert bound["stride_bt"] == batch["block_table"].stride(0)
+    assert bound["PAGE"] == kc.shape[1] and bound["HEAD"] == q.shape[2]
+    assert bound["k_ptr"] is kc and bound["v_ptr"] is vc and bound["q_ptr"] is q
