@@ -31,6 +31,13 @@ shape stays valid for any sequence lengths replayed into it):
   a step of prefill chunks only) has the prefill kernel launched alone, outside CUDA-graph
   capture.
 
+On Hopper (sm_90), where the call's dtypes, alignment and options allow it
+(`warp_specialized_ok`), two of those launches are Gluon kernels with warp-specialized loader
+and compute warpgroups instead: the prefill launches of the 256-row tile
+(`attention_prefill_ws`) and decode-only batches small enough for one program per SM with at
+least `DECODE_WS_MIN_SPLITS` splits (`attention_decode_ws`). The choice depends on shapes and
+static properties only, like the rest of the plan.
+
 `max_query_len` and `max_seq_len` only pick the path: every path is exact for any query
 lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is not used at
 all, since CUDA-graph replays change sequence lengths under a captured launch.
