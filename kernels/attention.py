@@ -411,8 +411,9 @@ PREFILL_STAGE_FALLBACKS = (5, 3)
 # (one warpgroup's 64 each) 386.5 / 415.5 / 424.2; 128x128 with 2 slots 270.4 / 286.7 / 294.8.
 # Final run (-ws-final.json): 460.3 / 500.0 / 517.6; 5 slots 450.5 / 499.5 / 499.6.
 PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
-# Head sizes the rule gives it: measured at 128 only (64 passes the GPU tests, not timed).
-PREFILL_WS_HEAD_SIZES = (128,)
+# Head sizes the rule gives either Hopper kernel: measured at 128 only (64 passes the GPU
+# tests, not timed).
+WS_RULE_HEAD_SIZES = (128,)
 # Hopper, decode-only batches too small to fill the GPU (B=1 ... 4 at Hkv=8 on 132 SMs): the
 # warp-specialized decode kernel, one program per SM (144 KiB of shared memory: a 64-row Q
 # tile, two slots of 128-token K/V tiles), splits = SMs // (sequences x kv heads).
@@ -500,6 +501,18 @@ def split_room(workspace: AttentionWorkspace | None) -> SplitRoom | None:
     )
 
 
+def workspace_splits(workspace: SplitRoom, row_heads: int, head_pad: int, pairs: int) -> int:
+    """Most splits `workspace` holds the partials of (`row_heads` query rows x heads, each
+    `head_pad` wide) and the counters of (`pairs` (sequence, kv head) pairs) for; 1 if none."""
+    if workspace.counters < pairs:
+        return 1
+    return min(
+        workspace.partial_out // (row_heads * head_pad),
+        workspace.partial_ml // (row_heads * 2),
+        workspace.max_splits,
+    )
+
+
 def _num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -521,16 +534,9 @@ def _num_splits(
     pairs = num_seqs * num_kv_heads
     if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
         return 1
-    head_pad = next_pow2(head_size)
-    row_heads = rows * num_q_heads
-    fit = min(
-        workspace.partial_out // (row_heads * head_pad),
-        workspace.partial_ml // (row_heads * 2),
-    )
-    if workspace.counters < pairs:
-        fit = 1
+    fit = workspace_splits(workspace, rows * num_q_heads, next_pow2(head_size), pairs)
     best, best_cost = 1, split_cost(pairs, 1, slots)
-    for splits in range(2, min(workspace.max_splits, fit, MAX_GRID_YZ) + 1):
+    for splits in range(2, min(fit, MAX_GRID_YZ) + 1):
         cost = split_cost(pairs, splits, slots)
         if cost < best_cost - 1e-9:  # ties go to fewer splits
             best, best_cost = splits, cost
@@ -646,7 +652,7 @@ def _plan_launch(
         )
         ws = (
             warp_specialized
-            and head_size in PREFILL_WS_HEAD_SIZES
+            and head_size in WS_RULE_HEAD_SIZES
             and block_m == large_rows
             and group <= PREFILL_WS_TILE[0]
         )
@@ -677,18 +683,11 @@ def _decode_ws_config(
     program per SM, at least DECODE_WS_MIN_SPLITS splits each), else `triton_config`."""
     group = num_q_heads // num_kv_heads
     pairs = num_seqs * num_kv_heads
-    if workspace is None or head_size not in PREFILL_WS_HEAD_SIZES or group > DECODE_WS_ROWS:
+    if workspace is None or head_size not in WS_RULE_HEAD_SIZES or group > DECODE_WS_ROWS:
         return triton_config
-    rows = num_seqs * num_q_heads  # one query position per sequence
-    fit = min(
-        workspace.partial_out // (rows * head_size),
-        workspace.partial_ml // (rows * 2),
-        workspace.max_splits,
-        DECODE_WS_MAX_SPLITS,
-    )
-    if workspace.counters < pairs:
-        return triton_config
-    splits = min(sms // pairs, fit)
+    # One query position per sequence.
+    fit = workspace_splits(workspace, num_seqs * num_q_heads, head_size, pairs)
+    splits = min(sms // pairs, fit, DECODE_WS_MAX_SPLITS)
     if splits < DECODE_WS_MIN_SPLITS:
         return triton_config
     tile_n, slots = DECODE_WS_TILE
@@ -906,6 +905,38 @@ def _skips_decode(plan: LaunchPlan, min_query_len: int, q: torch.Tensor) -> bool
     return not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _refuse_unrunnable_ws(
+    plan: LaunchPlan,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int,
+    softcap: float,
+    has_sinks: bool,
+) -> None:
+    """Raise if a given plan (benchmark sweeps, tests) names a Hopper kernel this call cannot
+    run; the rule's own plans take them only where `warp_specialized_ok` said yes."""
+    dec, pre = plan.decode, plan.prefill
+    ws_prefill = pre is not None and pre.warp_specialized
+    if not (dec.warp_specialized or ws_prefill):
+        return
+    ok = warp_specialized_ok(q, key_cache, value_cache, sliding_window=sliding_window,
+                             softcap=softcap, has_sinks=has_sinks)  # fmt: skip
+    if dec.warp_specialized and not (ok and pre is None and dec.qpos == 1):
+        what = "decode kernel runs decode-only batches (query_len 1) on sm_90 GPUs"
+    elif ws_prefill and not ok:
+        what = "prefill kernel runs sm_90 GPUs"
+    else:
+        return
+    raise ValueError(
+        f"paged_attention: the warp-specialized {what}, fp16/bf16 with a cache of the same "
+        f"dtype, head sizes {_WS_HEAD_SIZES}, without sliding window, soft cap or sinks; got "
+        f"max_query_len {max_query_len}, {q.device} {q.dtype} cache {key_cache.dtype} head size "
+        f"{q.shape[2]}, window {sliding_window}, softcap {softcap}, sinks {has_sinks}"
+    )
+
+
 def _run(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -947,24 +978,14 @@ def _run(
                 has_sinks=sinks is not None,
             ),
         )  # fmt: skip
+    else:
+        _refuse_unrunnable_ws(plan, q, key_cache, value_cache, max_query_len, sliding_window,
+                              softcap, sinks is not None)  # fmt: skip
     # Triton 3.6's interpreter mis-multiplies bf16 in tl.dot (see attention_decode._mma); on
     # the CPU the kernels can only be running under it.
     upcast_dot = (q.device.type == "cpu" and q.dtype == torch.bfloat16) or q.dtype == torch.float32
     dec = plan.decode
     if dec.warp_specialized:
-        has_sinks = sinks is not None
-        if plan.prefill is not None or dec.qpos != 1 or not warp_specialized_ok(
-            q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
-            has_sinks=has_sinks,
-        ):  # fmt: skip
-            raise ValueError(
-                "paged_attention: the warp-specialized decode kernel runs decode-only batches "
-                "(query_len 1) on sm_90 GPUs, fp16/bf16 with a cache of the same dtype, head "
-                f"sizes {_WS_HEAD_SIZES}, without sliding window, soft cap or sinks; "
-                f"got max_query_len {max_query_len}, {q.device} {q.dtype} cache "
-                f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
-                f"{softcap}, sinks {has_sinks}"
-            )
         split = dec.num_splits > 1
         decode_ws.launch_decode_ws(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table,
@@ -1003,22 +1024,6 @@ def _run(
         )
     if plan.prefill is not None and plan.prefill.warp_specialized:
         pre = plan.prefill
-        has_sinks = sinks is not None
-        if not warp_specialized_ok(
-            q,
-            key_cache,
-            value_cache,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            has_sinks=has_sinks,
-        ):
-            raise ValueError(
-                "paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs, fp16/bf16 "
-                f"with a cache of the same dtype, head sizes {_WS_HEAD_SIZES}, without "
-                f"sliding window, soft cap or sinks; got {q.device} {q.dtype} cache "
-                f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap "
-                f"{softcap}, sinks {sinks is not None}"
-            )
         prefill_ws.launch_prefill_ws(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, scale=scale,
             block_m=pre.block_m, block_n=pre.block_n, min_q=pre.min_q, head_fast=pre.head_fast,

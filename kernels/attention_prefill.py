@@ -155,6 +155,18 @@ def _prefill_kernel(
     )
 
 
+def prefill_grid(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int, head_fast: bool
+) -> tuple[tuple[int, int], bool]:
+    """(grid, head_fast) of a prefill launch: an upper bound on the q blocks of the batch
+    (`num_tokens // block_q + num_seqs`, what the kernels' block search assumes) by kv heads,
+    kv head fastest if asked and the q blocks fit CUDA's second grid axis."""
+    num_q_blocks = num_tokens // block_q + num_seqs
+    head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
+    grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
+    return grid, head_fast
+
+
 def launch_prefill(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -187,9 +199,7 @@ def launch_prefill(
     block_q = block_m // group
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     dummy = seq_lens
-    num_q_blocks = num_tokens // block_q + num_seqs
-    head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
-    grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
+    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, head_fast)
     launch(
         _prefill_kernel,
         grid,

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._launch import launch
 from .attention_decode import layout_strides
-from .attention_prefill import MAX_GRID_YZ
+from .attention_prefill import prefill_grid
 
 LOG2E = gl.constexpr(1.4426950408889634)
 NEG_BIG = gl.constexpr(-1.0e30)
@@ -413,9 +413,7 @@ def launch_prefill_ws(
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_q = block_m // group
-    num_q_blocks = num_tokens // block_q + num_seqs
-    head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
-    grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
+    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, head_fast)
     launch(
         _prefill_ws_kernel,
         grid,
