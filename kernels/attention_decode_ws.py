@@ -28,11 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch, next_pow2
-from .attention_decode import layout_strides
+from .attention_decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
 from .attention_prefill_ws import (
     LOAD_WARPS,
-    LOG2E,
-    NEG_BIG,
     _allocate_ring,
     _attend_slot,
     _copy_kv_tile,
@@ -44,8 +42,6 @@ ROWS = gl.constexpr(64)
 # Registers of a loader thread: the compute warpgroup needs few here (a 64-row tile), and a
 # 128-token tile's copy addresses spill below about 100.
 LOAD_REGS = gl.constexpr(128)
-# fp32 elements of one merge step ([heads, splits, head size]): 64 registers a thread.
-MERGE_STEP_ELEMENTS = 8192
 
 
 @gluon.jit

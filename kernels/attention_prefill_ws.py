@@ -40,11 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch
-from .attention_decode import layout_strides
+from .attention_decode import LOG2E, NEG_BIG, layout_strides
 from .attention_prefill import prefill_grid
-
-LOG2E = gl.constexpr(1.4426950408889634)
-NEG_BIG = gl.constexpr(-1.0e30)
 
 # Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each)
 # and their register budget; the compute warps get the rest of the register file.
@@ -80,7 +77,8 @@ def supports(
     softcap: float,
     has_sinks: bool,
 ) -> bool:
-    """Whether this kernel runs the prefill of a call with these tensors and options."""
+    """Whether Hopper's warp-specialized kernels (this prefill kernel and
+    `attention_decode_ws`'s) can run a call with these tensors and options."""
     if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
         return False
     return (
