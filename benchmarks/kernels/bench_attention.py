@@ -86,10 +86,11 @@ GOAL_OVER_FI_PREFILL = 0.9  # prefill TFLOP/s vs FlashInfer
 DEVICE = "cuda"  # a module constant so that the script's logic can be dry-run elsewhere
 BUDGET_S = 270.0  # sweeps are skipped past this many seconds (a run must stay under 5 minutes)
 
-# Sweeps (after every goal case; run 7 candidates). Decode: changes to the rule's DecodeConfig.
-# The rule (kernels/attention.py, DECODE_STAGES_PIPELINED): 3 stages, two programs per SM,
-# kv-head-fastest grid, unless 5 stages with one program per SM fill the unsplit batch's waves
-# clearly better. The sweeps check each side of that rule against the other and neighbours.
+# Sweeps (after every goal case). Decode: changes to the Triton kernel's plan, or with
+# warp_specialized=True to the Hopper kernel's (bench_decode_sweep). The Triton rule
+# (kernels/attention.py, DECODE_STAGES_PIPELINED): 3 stages, two programs per SM, kv-head-fastest
+# grid, unless 5 stages with one program per SM fill the unsplit batch's waves clearly better;
+# on Hopper, B <= SMs / (4 x Hkv) takes the warp-specialized kernel (DECODE_WS_TILE).
 DECODE_SWEEP_LARGE_B = [
     dict(head_fast=False),  # run 5's default
     dict(num_stages=5),
@@ -109,13 +110,16 @@ DECODE_SWEEP = {
     256: DECODE_SWEEP_LARGE_B,
 }  # fmt: skip
 # Batches between the measured cases, where the rule switches regime (ctx 4096): each timed
-# with the rule's plan and with the other regime's plan (decode_rule section).
+# with the rule's plan and with the other regime's plan, or the Triton kernel's plan where the
+# rule took the Hopper kernel (decode_rule section).
 DECODE_RULE_BATCHES = (2, 4, 8, 24, 32, 40, 48)
 # Prefill: (block_m, block_n, num_warps, num_stages, head_fast) at every prefill length; the
-# rule picks 256x64, 16 warps, 7 stages, kv-head-fastest grid (sweep points equal to the rule's
-# config are skipped). With wgmma the pipeliner keeps one more K/V buffer than for mma.sync, but
-# at 3 stages still waits for every copy at the top of each iteration (async_wait num=0); 5
-# stages keep one tile in flight (two buffers), 7 stages two (three buffers, 193 KiB at 256x64).
+# Triton rule picks 256x64, 16 warps, 7 stages, kv-head-fastest grid; on Hopper the
+# warp-specialized kernel's PREFILL_WS_TILE (sweep points equal to the rule's config are
+# skipped). For the Triton kernel with wgmma the pipeliner keeps one more K/V buffer than for
+# mma.sync, but at 3 stages still waits for every copy at the top of each iteration
+# (async_wait num=0); 5 stages keep one tile in flight (two buffers), 7 stages two (three
+# buffers, 193 KiB at 256x64).
 PREFILL_SWEEP = [  # (block_m, block_n, warps, stages, head_fast[, warp-specialized])
     (256, 64, 16, 7, True),  # the Triton kernel's rule (the Hopper rule's before 2026-11-26)
     # Hopper's warp-specialized kernel: two compute warpgroups of block_m / 2 rows (warps = 4
