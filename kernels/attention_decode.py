@@ -434,7 +434,9 @@ def _decode_kernel(
         if not SPLIT:
             store_direct = row_ok
         else:
-            store_direct = row_ok & direct & (split == 0)
+            # split == 0 compared as a row vector: Triton 3.9's interpreter turns a splatted
+            # scalar comparison into an int32 mask, which tl.store refuses.
+            store_direct = row_ok & direct & ((offs_m * 0 + split) == 0)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

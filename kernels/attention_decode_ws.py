@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch, next_pow2
+from ._triton_compat import cta_barrier
 from .attention_decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
 from .attention_prefill_ws import (
     LOAD_WARPS,
@@ -279,7 +280,7 @@ def _decode_ws_kernel(
             l_r = gl.convert_layout(l_i, o_rows)
             gl.store(part_ml_ptr + pidx * 2, m_r, mask=row_ok)
             gl.store(part_ml_ptr + pidx * 2 + 1, l_r, mask=row_ok)
-            gl.thread_barrier()
+            cta_barrier()
             cnt_ptr = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
             arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:

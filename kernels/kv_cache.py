@@ -372,7 +372,9 @@ def _rope_kv_cache_update_kernel(
     _store_pairs(k_row, k1r, k2r, hk_ok, KV_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
 
     if WRITE_CACHE:
-        ok = slot >= 0
+        # Per head, not a scalar: Triton 3.9's interpreter turns a splatted scalar comparison
+        # into an int32 mask, which tl.store refuses.
+        ok = (hk * 0 + slot) >= 0
         slot = slot.to(tl.int64) if OFFSETS_64 else slot.to(tl.int32)
         kc_off = _slot_offsets(slot, stride_kc_block, stride_kc_slot, BLOCK_SIZE, FLAT_SLOTS)
         vc_off = _slot_offsets(slot, stride_vc_block, stride_vc_slot, BLOCK_SIZE, FLAT_SLOTS)
@@ -388,8 +390,8 @@ def _rope_kv_cache_update_kernel(
                 k_pass = _to_e4m3(k_pass, k_inv_scale, EMULATE_E4M3)
         _store_pairs(kc_row, k1r, k2r, hk_ok & ok, KV_HEADS_P2, HALF, HALF_ROT_P2, IS_NEOX)
         if PASS_P2 > 0:
-            tl.store(kc_row + dp[None, :], k_pass, mask=p_mask & ok)
-        tl.store(vc_row + dv[None, :], v, mask=v_mask & ok)
+            tl.store(kc_row + dp[None, :], k_pass, mask=p_mask & ok[:, None])
+        tl.store(vc_row + dv[None, :], v, mask=v_mask & ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
