@@ -7,6 +7,7 @@ checks never make the host wait for the GPU.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -71,3 +72,17 @@ def check_range(name: str, value: float, lo: float, hi: float) -> None:
     """Raise ValueError if `value` is outside the closed range [lo, hi]."""
     if not (lo <= value <= hi):
         raise ValueError(f"{name}: expected a value in [{lo}, {hi}], got {value!r}")
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError if the kernels cannot run on `t`'s device: a CPU tensor where Triton
+    compiles for a GPU (the kernels run on the CPU only under Triton's interpreter). Fake and
+    meta tensors (torch.compile's shape propagation) pass."""
+    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+        return
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(
+            f"{name}: expected a CUDA tensor, got a CPU tensor; fuselane's kernels run on the "
+            "CPU only under Triton's interpreter (TRITON_INTERPRET=1, set before fuselane is "
+            "imported)"
+        )

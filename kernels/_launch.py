@@ -13,7 +13,10 @@ of each variant goes through `fn[grid]` (compiling it if needed) and keeps the c
 under the argument specialization Triton's own binder computes (dtypes, 16-byte alignment,
 integer widths and divisibility, constexpr values) plus the launch options; later calls with the
 same specialization launch that kernel directly. Any registered launch hook (a profiler such as
-Proton) or the interpreter sends every call through `fn[grid]`.
+Proton) or the interpreter sends every call through `fn[grid]`. The direct launch uses the
+compiled kernel's private launcher convention (Triton 3.6 to 3.9 share it); at start-up,
+`checking_direct_launches` runs each variant's first direct launch beside `fn[grid]` on copies
+of its arguments, and a kernel whose two launches differ goes back to `fn[grid]`.
 
 `LaunchCache` goes one step further for vLLM's layer loop: it records the launches of one call
 and replays them for calls that differ only in the addresses of some tensors (each layer's own
@@ -25,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,13 +70,16 @@ def _interpreting() -> bool:
 
 
 class _Compiled:
-    """Compiled variants of one @triton.jit function, by specialization key."""
+    """Compiled variants of one @triton.jit function, by specialization key, and what the
+    start-up check of its direct launches found."""
 
-    __slots__ = ("fn", "variants")
+    __slots__ = ("checked", "fallback", "fn", "variants")
 
     def __init__(self, fn: triton.JITFunction) -> None:
         self.fn = fn
         self.variants: dict[tuple, Any] = {}
+        self.checked: set[tuple] = set()  # variants whose direct launch matched `fn[grid]`
+        self.fallback: str | None = None  # why this kernel launches through `fn[grid]` only
 
 
 _BY_FN: dict[int, _Compiled] = {}
@@ -81,6 +87,23 @@ _BY_FN: dict[int, _Compiled] = {}
 
 def _hooked() -> bool:
     return any(getattr(h, "calls", h) for h in _HOOKS)
+
+
+def _compiled(fn: triton.JITFunction) -> _Compiled:
+    compiled = _BY_FN.get(id(fn))
+    if compiled is None or compiled.fn is not fn:
+        compiled = _BY_FN[id(fn)] = _Compiled(fn)
+    return compiled
+
+
+def _run_direct(kernel: Any, grid: tuple[int, int, int], stream: int, args: Any) -> None:
+    """The launch `JITFunction.run` ends with, minus its launch metadata and hooks: the one
+    place that depends on the compiled kernel's private launcher signature (checked at
+    start-up, `checking_direct_launches`)."""
+    kernel.run(
+        grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+        None, None, None, *args,
+    )  # fmt: skip
 
 
 def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -100,34 +123,150 @@ def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: 
             else:  # a launch hook (a profiler) must see every launch
                 recording.broken = True
         return
-    compiled = _BY_FN.get(id(fn))
-    if compiled is None or compiled.fn is not fn:
-        compiled = _BY_FN[id(fn)] = _Compiled(fn)
+    compiled = _compiled(fn)
+    if compiled.fallback is not None:  # its direct launch failed the start-up check
+        fn[grid](*args, **kwargs)
+        if recording is not None:
+            recording.add_call(fn, grid, list(args), kwargs)
+        return
     device = torch.cuda.current_device()
     caches = fn.device_caches.get(device)
+    launched = None
     if caches is None:  # Triton builds its binder on the first launch on a device
-        kernel = fn[grid](*args, **kwargs)
-        compiled.variants[_key(fn, device, args, kwargs)] = kernel
-        if recording is not None:
-            recording.broken = True
-        return
+        launched = fn[grid](*args, **kwargs)
+        caches = fn.device_caches[device]
     bound_args, specialization, options = caches[4](*args, **kwargs)
     key = (device, tuple(specialization), tuple(options.items()))
     kernel = compiled.variants.get(key)
-    if kernel is None:
-        kernel = compiled.variants[key] = fn[grid](*args, **kwargs)
-        if recording is not None:
-            recording.add_direct(kernel, grid, list(bound_args.values()))
-        return
-    gx = grid[0]
-    gy = grid[1] if len(grid) > 1 else 1
-    gz = grid[2] if len(grid) > 2 else 1
-    kernel.run(
-        gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), kernel.function,
-        kernel.packed_metadata, None, None, None, *bound_args.values(),
-    )  # fmt: skip
+    if kernel is None:  # a new variant: compiled (if need be) and launched by Triton
+        if launched is None:
+            launched = fn[grid](*args, **kwargs)
+        kernel = compiled.variants[key] = launched
+    if _checking and key not in compiled.checked:
+        _check(compiled, kernel, key, _grid3(grid), args, kwargs)
+        if compiled.fallback is not None:
+            if launched is None:
+                fn[grid](*args, **kwargs)
+            if recording is not None:
+                recording.add_call(fn, grid, list(args), kwargs)
+            return
+    if launched is None:
+        _run_direct(kernel, _grid3(grid), _raw_stream(device), bound_args.values())
     if recording is not None:
         recording.add_direct(kernel, grid, list(bound_args.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The start-up check of the direct launch path
+# ---------------------------------------------------------------------------------------------
+
+_checking = False
+# Tensors above this size are shared by the two launches of a check instead of copied (a KV
+# cache: read-only in the warm-up's launches, which write their own small outputs).
+CHECK_COPY_MAX_BYTES = 256 << 20
+# (kernel name, reason) of every kernel switched to `fn[grid]` in this process, in order.
+_fallbacks: list[tuple[str, str]] = []
+
+
+@contextlib.contextmanager
+def checking_direct_launches() -> Iterator[None]:
+    """Inside (a start-up warm-up, outside CUDA-graph capture): the first direct launch of each
+    kernel variant is also run through `fn[grid]`, each on its own copies of the tensor
+    arguments, and the copies compared bit for bit. A kernel whose direct launch raises or
+    differs launches through `fn[grid]` from then on (`direct_launch_fallbacks`): the direct
+    path calls the compiled kernel's launcher with Triton's private argument convention, which
+    a Triton release may change."""
+    global _checking
+    _checking = True
+    try:
+        yield
+    finally:
+        _checking = False
+
+
+def direct_launch_fallbacks() -> list[tuple[str, str]]:
+    """(kernel name, reason) of each kernel whose direct launch failed its start-up check."""
+    return list(_fallbacks)
+
+
+def kernel_name(fn: Any) -> str:
+    inner = getattr(fn, "fn", fn)
+    return getattr(inner, "__name__", repr(fn))
+
+
+def _check(compiled: _Compiled, kernel: Any, key: tuple, grid, args, kwargs) -> None:
+    fn, device = compiled.fn, key[0]
+
+    def normal(a: list) -> None:
+        fn[grid](*a, **kwargs)
+
+    def direct(a: list) -> None:
+        bound, specialization, options = fn.device_caches[device][4](*a, **kwargs)
+        if (device, tuple(specialization), tuple(options.items())) != key:
+            raise RuntimeError("the argument copies specialize to another variant")
+        _run_direct(kernel, grid, _raw_stream(device), bound.values())
+
+    reason = compare_launches(list(args), normal, direct)
+    if reason is None:
+        compiled.checked.add(key)
+    else:
+        compiled.fallback = reason
+        _fallbacks.append((kernel_name(fn), reason))
+
+
+def compare_launches(
+    args: list, normal: Callable[[list], None], direct: Callable[[list], None]
+) -> str | None:
+    """Run `normal(args)` and `direct(args)`, each on its own copies of the tensor arguments
+    (same strides and address alignment; tensors over CHECK_COPY_MAX_BYTES shared), and
+    compare the copies bit for bit. Returns why the two differ, or None."""
+    a, copies_a = _copies(args)
+    b, _ = _copies(args)
+    normal(a)
+    try:
+        direct(b)
+    except Exception as e:  # noqa: BLE001 - any failure of the direct path is a finding
+        return f"direct launch raised {type(e).__name__}: {e}"
+    for i in copies_a:
+        if not _same_bits(a[i], b[i]):
+            return f"direct launch wrote different values into argument {i}"
+    return None
+
+
+def _copies(args: list) -> tuple[list, list[int]]:
+    out = list(args)
+    copied = []
+    for i, t in enumerate(args):
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            c = _copy_like(t)
+            if c is not None:
+                out[i] = c
+                copied.append(i)
+    return out, copied
+
+
+def _copy_like(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of `t` with its shape, strides and address modulo 256 (Triton specializes on
+    16-byte alignment), or None where it is shared: over the size cap, or with overlapping
+    elements (a zero stride)."""
+    if 0 in t.stride() and t.numel() > 1:
+        return None
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    nbytes = span * t.element_size()
+    if nbytes > CHECK_COPY_MAX_BYTES:
+        return None
+    raw = torch.empty(nbytes + 256, dtype=torch.uint8, device=t.device)
+    shift = (t.data_ptr() - raw.data_ptr()) % 256
+    c = raw[shift : shift + nbytes].view(t.dtype).as_strided(t.shape, t.stride())
+    return c.copy_(t)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN payloads included), for any dtype."""
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 class _Recording:
@@ -221,10 +360,7 @@ class LaunchCache:
             else:
                 for i, j in positions:
                     args[i] = ptrs[j]
-                kernel.run(
-                    grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
-                    None, None, None, *args,
-                )  # fmt: skip
+                _run_direct(kernel, grid, stream, args)
         self.hits += 1
         return True
 
@@ -308,22 +444,21 @@ def compile_only(workers: int) -> Iterator[None]:
     """Inside: `launch` compiles the kernel variant it is given instead of running it, on
     `workers` threads at once (Triton's async compile mode; most of a compile is LLVM and ptxas,
     which run outside the GIL); on exit every compile has finished. For start-up warm-ups, where
-    compiling one variant after another costs seconds per kernel."""
+    compiling one variant after another costs seconds per kernel. A failed compile raises
+    nothing here: the variant's next launch compiles it again and raises there, where the
+    warm-up knows which variant it is."""
     from triton.runtime._async_compile import AsyncCompileMode
 
     global _compile_only
-    with ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        AsyncCompileMode(pool, ignore_errors=True),
+    ):
         _compile_only = True
         try:
             yield
         finally:
             _compile_only = False
-
-
-def _key(fn: triton.JITFunction, device: int, args: tuple, kwargs: dict) -> tuple:
-    """The key `launch` looks variants up by (after `fn[grid]` created the binder)."""
-    _, specialization, options = fn.device_caches[device][4](*args, **kwargs)
-    return (device, tuple(specialization), tuple(options.items()))
 
 
 def variants(fn: triton.JITFunction) -> int:

@@ -53,17 +53,43 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import FP8_E4M3, check_choice, check_tensor
+from ._checks import FP8_E4M3, check_choice, check_kernel_device, check_tensor
 from ._launch import LaunchCache, cdiv, next_pow2, use_custom_op
+from ._triton_compat import gluon_hopper_missing
 from .attention_decode import launch_decode
 from .attention_prefill import launch_prefill
 
-try:  # Hopper's warp-specialized kernels are written in Gluon (Triton 3.6's experimental API)
+# Hopper's warp-specialized kernels are written in Gluon (Triton's experimental API; 3.6 to
+# 3.9 have what they use). Without it the Triton kernels run every batch.
+if gluon_hopper_missing() is None:
     from . import attention_decode_ws as decode_ws
     from . import attention_prefill_ws as prefill_ws
-except ImportError:  # a Triton without it: the Triton kernels run every batch
+else:
     decode_ws = prefill_ws = None  # type: ignore[assignment]
 _WS_HEAD_SIZES = prefill_ws.WS_HEAD_SIZES if prefill_ws is not None else ()
+# Why the Hopper kernels are off in this process (None: the launch rule may pick them).
+_hopper_off: str | None = gluon_hopper_missing()
+
+
+def hopper_kernels_off() -> str | None:
+    """Why Hopper's warp-specialized kernels are off in this process (None: they may run)."""
+    return _hopper_off
+
+
+def disable_hopper_kernels(reason: str) -> None:
+    """Keep Hopper's warp-specialized kernels out of every later plan in this process (the
+    Triton kernels take their batches); `reason` is what `hopper_kernels_off` reports. Plans
+    already recorded for replay keep them until their step's metadata changes."""
+    global _hopper_off
+    _hopper_off = reason
+    LAUNCHES.clear()
+
+
+def enable_hopper_kernels() -> None:
+    """Undo `disable_hopper_kernels` (tests); a Triton without Gluon keeps them off."""
+    global _hopper_off
+    _hopper_off = gluon_hopper_missing()
+
 
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 
@@ -78,8 +104,8 @@ def warp_specialized_ok(
     has_sinks: bool,
 ) -> bool:
     """Whether Hopper's warp-specialized kernels can run a call with these tensors and options
-    (`attention_prefill_ws.supports`; False where this Triton lacks Gluon)."""
-    return prefill_ws is not None and prefill_ws.supports(
+    (`attention_prefill_ws.supports`; False while `hopper_kernels_off`)."""
+    return _hopper_off is None and prefill_ws.supports(
         q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
         has_sinks=has_sinks,
     )  # fmt: skip
@@ -744,9 +770,15 @@ def warm_up(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     workspace: AttentionWorkspace | None = None,
+    strict: bool = False,
 ) -> int:
     """Compile (by launching once on a one-token batch) every kernel variant `paged_attention`
     can choose for these caches and heads; returns how many plans were launched.
+
+    A Hopper kernel that fails to compile or launch here is switched off for the process
+    (`disable_hopper_kernels`, the Triton kernels take its batches) and the warm-up goes on
+    without it, unless `strict` (the caller asked for these kernels by name): then, as for a
+    failure of a Triton kernel, the error propagates and start-up stops.
 
     For a serving engine's start-up, outside any CUDA-graph capture: a variant first met in the
     middle of serving stalls that step for the compile (seconds). Launch arguments share every
@@ -768,15 +800,33 @@ def warm_up(
     )  # fmt: skip
     for plan in plans:
         q_len = plan.decode.qpos
-        q = torch.zeros(q_len, num_q_heads, head_size, dtype=q_dtype, device=device)
-        out = torch.empty_like(q)
+        # Not zeros and a NaN output: outputs that tell a launch that ran from one that did
+        # not (the start-up check of direct launches compares them).
+        q = torch.ones(q_len, num_q_heads, head_size, dtype=q_dtype, device=device)
+        out = torch.full_like(q, float("nan"))
         cu = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         seq_lens = torch.tensor([q_len], dtype=torch.int32, device=device)
-        _run(
-            q, key_cache, value_cache, out, cu, seq_lens, block_table_row, q_len, scale,
-            window, softcap, sinks, k_scale, v_scale, workspace, plan=plan,
-        )  # fmt: skip
+        try:
+            _run(
+                q, key_cache, value_cache, out, cu, seq_lens, block_table_row, q_len, scale,
+                window, softcap, sinks, k_scale, v_scale, workspace, plan=plan,
+            )  # fmt: skip
+        except Exception as e:
+            if strict or not _uses_hopper_kernels(plan):
+                raise
+            disable_hopper_kernels(f"{type(e).__name__} at start-up: {e}"[:500])
+            return warm_up(
+                key_cache, value_cache, block_table_row, num_q_heads=num_q_heads,
+                q_dtype=q_dtype, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
+            )  # fmt: skip
     return len(plans)
+
+
+def _uses_hopper_kernels(plan: LaunchPlan) -> bool:
+    return plan.decode.warp_specialized or (
+        plan.prefill is not None and plan.prefill.warp_specialized
+    )
 
 
 def _check_args(
@@ -799,6 +849,7 @@ def _check_args(
 ) -> None:
     """Host-side checks (shapes, dtypes, devices, strides, scalars); never reads device data."""
     check_tensor("q", q, ndim=3, dtypes=SUPPORTED_Q_DTYPES, last_dim_contiguous=True)
+    check_kernel_device("q", q)
     device = q.device
     num_tokens, num_q_heads, head_size = q.shape
     check_tensor(
@@ -929,11 +980,12 @@ def _refuse_unrunnable_ws(
         what = "prefill kernel runs sm_90 GPUs"
     else:
         return
+    off = "" if _hopper_off is None else f" (off in this process: {_hopper_off})"
     raise ValueError(
-        f"paged_attention: the warp-specialized {what}, fp16/bf16 with a cache of the same "
-        f"dtype, head sizes {_WS_HEAD_SIZES}, without sliding window, soft cap or sinks; got "
-        f"max_query_len {max_query_len}, {q.device} {q.dtype} cache {key_cache.dtype} head size "
-        f"{q.shape[2]}, window {sliding_window}, softcap {softcap}, sinks {has_sinks}"
+        f"paged_attention: the warp-specialized {what}{off}, fp16/bf16 with a cache of the "
+        f"same dtype, head sizes {_WS_HEAD_SIZES}, without sliding window, soft cap or sinks; "
+        f"got max_query_len {max_query_len}, {q.device} {q.dtype} cache {key_cache.dtype} head "
+        f"size {q.shape[2]}, window {sliding_window}, softcap {softcap}, sinks {has_sinks}"
     )
 
 

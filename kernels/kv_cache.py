@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FP8_E4M3, FP8_E4M3_MAX, check_choice, check_tensor
+from ._checks import FP8_E4M3, FP8_E4M3_MAX, check_choice, check_kernel_device, check_tensor
 from ._launch import LaunchCache, cdiv, launch, next_pow2, use_custom_op
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -477,6 +477,7 @@ def _check_write_args(
     Reads no device memory: slot values (range, uniqueness) are the caller's contract.
     """
     check_tensor("key", key, ndim=3, dtypes=INPUT_DTYPES, last_dim_contiguous=True)
+    check_kernel_device("key", key)
     num_tokens, num_kv_heads, head_size = key.shape
     device = key.device
     check_choice("head_size (key.shape[2])", head_size, SUPPORTED_HEAD_SIZES)

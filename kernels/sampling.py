@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from . import sampling_penalties
-from ._checks import check_choice, check_tensor
+from ._checks import check_choice, check_kernel_device, check_tensor
 from ._launch import cdiv, launch, use_custom_op
 from .sampling_penalties import GROUP, penalize_words
 from .sampling_select import (
@@ -1140,6 +1140,7 @@ def _validate(logits: torch.Tensor, prm: SamplingParamsTensors, num_logprobs, lo
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         last_dim_contiguous=True,
     )
+    check_kernel_device("logits", logits)
     B, V = logits.shape
     dev = logits.device
     if B < 1 or V < 1:

@@ -59,7 +59,8 @@ def penalize_words(
     todo = ow
     if rep != 1.0:
         todo = todo | tl.load(prow + w, mask=wok, other=0)
-    inv_rep = 1.0 / rep
+    # div_rn, not `/` (div.full.f32 on NVIDIA GPUs): the reference's 1 / r rounds to nearest.
+    inv_rep = tl.math.div_rn(1.0, rep)
     # One set bit per lane per step, lowest first: as many steps as the most bits one word
     # holds, not 32. The count is taken once (SWAR popcount), so the steps need no barrier
     # and each warp walks its words at its own pace. STEPS = 1 or 4 steps per iteration.

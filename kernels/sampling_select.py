@@ -280,7 +280,9 @@ def _process(
                 pbit = ((pw >> sh)[:, None] & jbit) != 0
                 # vLLM: scale = r where seen in prompt or output; y *= (y > 0 ? 1/scale : scale)
                 # (y * 1 == y where unseen, so only seen tokens take the product)
-                inv_rep = 1.0 / rep
+                # div_rn: Triton's fp32 `/` is div.full.f32 (2 ulp) on NVIDIA GPUs; torch's
+                # (vLLM's) division rounds to nearest, and the kept sets compare exact values.
+                inv_rep = tl.math.div_rn(1.0, rep)
                 y = tl.where(pbit | obit, y * tl.where(y > 0, inv_rep, rep), y)
             if freq != 0.0:
                 y = y - freq * cnt.to(tl.float32)
@@ -288,7 +290,7 @@ def _process(
                 y = y - pres * obit.to(tl.float32)
     z = y
     if HAS_TEMP:
-        z = y / t_eff
+        z = tl.math.div_rn(y, t_eff)  # as torch's y / T, bit for bit (see inv_rep above)
     return x, z, is_nan
 
 

@@ -33,7 +33,7 @@ import torch
 from fuselane.kernels import attention as attn_kernels
 from fuselane.kernels import kv_cache as kv_kernels
 
-from . import active_selection, telemetry, warmup
+from . import active_selection, selector, telemetry, warmup
 from . import vllm_compat as vc
 from .kv_write import FP8_MIN_CAPABILITY, SUPPORTED_KV_CACHE_DTYPES, FuselaneKVWriteMixin
 
@@ -305,8 +305,21 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
                 k_scale=k_scale,
                 v_scale=v_scale,
                 workspace=md.workspace,
+                strict=selector.custom_named(),
             ),
         )
+        off = attn_kernels.hopper_kernels_off()
+        if (
+            off is not None
+            and query.is_cuda
+            and torch.cuda.get_device_capability(query.device)[0] == 9
+        ):
+            warmup.say_once(
+                ("hopper-off", off),
+                "fuselane: Hopper's warp-specialized attention kernels are off (%s); the "
+                "Triton kernels run every batch",
+                off,
+            )
         if self._fuselane_kv_write and not self._writes_no_cache():
             kv_key = ("kv_cache", str(query.device), query.dtype, key_cache.dtype,
                       tuple(key_cache.shape[1:]), key_cache.stride())  # fmt: skip

@@ -30,6 +30,15 @@ from .config import ENV_VAR, KernelSelection
 
 CUSTOM = "CUSTOM"
 
+# Whether this process chose fuselane's backend because CUSTOM was named: then a kernel
+# variant that fails its start-up warm-up stops the engine instead of being switched off.
+_custom_named = False
+
+
+def custom_named() -> bool:
+    """Whether fuselane's backend was named (`--attention-backend CUSTOM`) in this process."""
+    return _custom_named
+
 
 def interpreter_reasons() -> list[str]:
     """Why Triton's interpreter cannot run fuselane's kernels in this process (empty: it can).
@@ -97,6 +106,9 @@ def make_chooser(selection: KernelSelection) -> vllm_compat.Chooser:
         if wants_fuselane:
             reasons = fuselane_backend_reasons(selection, selector_config)
             if not reasons:
+                if name == CUSTOM:
+                    global _custom_named
+                    _custom_named = True
                 kernels = ["attention"]
                 if selection.backend_writes_kv_cache:
                     kernels.append("kv_cache")

@@ -231,6 +231,12 @@ class KernelMetrics:
             "Timing samples and numerical checks given up, by reason",
             ["kernel", "reason"],
         )
+        self.direct_fallbacks = PCounter(
+            "fuselane_direct_launch_fallbacks_total",
+            "Kernels switched at start-up from fuselane's direct launch to Triton's launcher "
+            "(their direct launch raised or differed from Triton's)",
+            ["kernel"],
+        )
         self.rates = Gauge(
             "fuselane_telemetry_sample_rate_ratio",
             "Configured fraction of kernel calls timed / checked",
@@ -588,6 +594,14 @@ def graph_tracker(graph_cls: type | None = None) -> kernel_timing.GraphTracker |
         _tracker = kernel_timing.GraphTracker(len(SITES), graph_cls)
         _tracker.install()
     return _tracker
+
+
+def count_direct_launch_fallback(kernel: str) -> None:
+    """Count a kernel switched to Triton's launcher by the start-up check (telemetry on)."""
+    if get() is None:
+        return
+    m = kernel_metrics()
+    m.child(m.direct_fallbacks, kernel).inc()
 
 
 def prepare() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from . import telemetry
 from . import vllm_compat as vc
 
 # Compile threads: a compile is mostly LLVM and ptxas, outside the GIL.
@@ -47,10 +48,22 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
     with _launch.compile_only(COMPILE_WORKERS):
         launched = compile_all()
     compiled = time.perf_counter()
-    # Then launch each variant once, now compiling nothing: a first launch still loads the
-    # module and, on a machine without Triton's disk cache, builds the launcher (measured:
-    # 0.4-0.9 s per kernel, benchmarks/results/startup-h100-2026-11-22.json).
-    compile_all()
+    # Then launch each variant once, now compiling nothing (a variant whose compile failed
+    # compiles again and raises here, where the warm-up can switch it off): a first launch
+    # still loads the module and, on a machine without Triton's disk cache, builds the
+    # launcher (measured: 0.4-0.9 s per kernel, benchmarks/results/startup-h100-2026-11-22.json).
+    # Each variant's first direct launch is checked against Triton's own launch.
+    fallbacks_before = len(_launch.direct_launch_fallbacks())
+    with _launch.checking_direct_launches():
+        compile_all()
+    for name, reason in _launch.direct_launch_fallbacks()[fallbacks_before:]:
+        vc.get_logger().warning(
+            "fuselane: kernel %s launches through Triton's launcher (slower on the host): its "
+            "direct launch failed the start-up check (%s)",
+            name,
+            reason,
+        )
+        telemetry.count_direct_launch_fallback(name)
     vc.get_logger().info(
         "fuselane: %s kernels compiled for %d launch configurations in %.1f s (%d threads) and "
         "loaded in %.1f s (start-up, before serving)",
@@ -63,7 +76,20 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
     return True
 
 
+_SAID: set[Hashable] = set()
+
+
+def say_once(key: Hashable, msg: str, *args: object) -> None:
+    """Log `msg` as a warning the first time `key` is seen in this process."""
+    with _LOCK:
+        if key in _SAID:
+            return
+        _SAID.add(key)
+    vc.get_logger().warning(msg, *args)
+
+
 def reset() -> None:
-    """Forget what was compiled (tests)."""
+    """Forget what was compiled and said (tests)."""
     with _LOCK:
         _DONE.clear()
+        _SAID.clear()

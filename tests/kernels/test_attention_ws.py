@@ -298,6 +298,7 @@ def test_without_gluon_the_triton_kernels_run(monkeypatch):
     warp-specialized kernels, and a plan that names one is refused with the reason."""
     monkeypatch.setattr(attn, "prefill_ws", None)
     monkeypatch.setattr(attn, "decode_ws", None)
+    monkeypatch.setattr(attn, "_hopper_off", "triton 3.x has no Gluon Hopper API")
     case = WS_CASES[4]
     batch = ws_batch(case)
     args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
@@ -349,3 +350,38 @@ def test_launchers_bind_every_kernel_argument(monkeypatch, which):
     assert bound["stride_bt"] == batch["block_table"].stride(0)
     assert bound["PAGE"] == kc.shape[1] and bound["HEAD"] == q.shape[2]
     assert bound["k_ptr"] is kc and bound["v_ptr"] is vc and bound["q_ptr"] is q
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_hopper_kernel_failing_at_warm_up_is_switched_off(monkeypatch, strict):
+    """Start-up: a Hopper kernel that fails to compile or launch is switched off for the process
+    and the warm-up goes on with the Triton kernels; with strict (CUSTOM named), it stops."""
+    launched = []
+
+    def run(*args, plan, **kwargs):
+        if attn._uses_hopper_kernels(plan):
+            raise AttributeError("module 'gluon.language' has no attribute 'thread_barrier'")
+        launched.append(plan)
+
+    monkeypatch.setattr(attn, "_run", run)
+    monkeypatch.setattr(attn, "warp_specialized_ok", lambda *a, **k: attn._hopper_off is None)
+    monkeypatch.setattr(attn, "_hopper_off", None)
+    monkeypatch.setattr(attn, "sm_count", lambda device: 132)
+    batch = ws_batch(WS_CASES[0])
+    ws = workspace(WS_CASES[0][0], WS_CASES[0][2])
+    args = (batch["key_cache"], batch["value_cache"], batch["block_table"][:1])
+    kw = dict(num_q_heads=batch["q"].shape[1], q_dtype=batch["q"].dtype, scale=0.1, workspace=ws)
+    if strict:
+        with pytest.raises(AttributeError, match="thread_barrier"):
+            attn.warm_up(*args, **kw, strict=True)
+        assert attn.hopper_kernels_off() is None
+        return
+    n = attn.warm_up(*args, **kw)
+    assert "AttributeError at start-up" in attn.hopper_kernels_off()
+    assert n == len(launched) > 0
+    assert not any(attn._uses_hopper_kernels(p) for p in launched)
+    full = attn.reachable_plans(
+        num_q_heads=kw["num_q_heads"], num_kv_heads=batch["key_cache"].shape[2],
+        head_size=batch["q"].shape[2], sms=132, workspace=ws, warp_specialized=True,
+    )  # fmt: skip
+    assert any(attn._uses_hopper_kernels(p) for p in full)  # the rule would have taken them

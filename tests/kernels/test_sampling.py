@@ -34,7 +34,7 @@ from fuselane.kernels.sampling import (
     unpack_bin_mask,
 )
 from tests.allclose import assert_close
-from tests.device import DEVICE
+from tests.device import DEVICE, on_device
 
 # The interpreter evaluates both sides of tl.where with numpy (inf - inf, log2(0) in lanes that
 # are then discarded): its RuntimeWarnings are noise here.
@@ -54,7 +54,7 @@ def _logits(B, V, *, seed=0, dtype=torch.float32, scale=3.0):
     x = torch.randn(B, V, generator=g) * scale
     hot = torch.randint(0, V, (B, 3), generator=g)
     x.scatter_add_(1, hot, torch.full((B, 3), 2.0 * scale))
-    return x.to(dtype)
+    return x.to(DEVICE, dtype)
 
 
 def _params(B, *, seed=0, **kw) -> SamplingParamsTensors:
@@ -62,12 +62,12 @@ def _params(B, *, seed=0, **kw) -> SamplingParamsTensors:
     g = torch.Generator().manual_seed(seed + 1)
     kw.setdefault("seeds", torch.randint(-(2**62), 2**62, (B,), generator=g, dtype=torch.int64))
     kw.setdefault("seed_offsets", torch.randint(0, 4096, (B,), generator=g, dtype=torch.int64))
-    return SamplingParamsTensors(**kw)
+    return on_device(SamplingParamsTensors(**kw))
 
 
 def _ws(B, V, **kw) -> SamplingWorkspace:
     kw.setdefault("max_logprobs", 8)
-    ws = SamplingWorkspace.allocate(B, V, "cpu", **kw)
+    ws = SamplingWorkspace.allocate(B, V, DEVICE, **kw)
     # poison every output so a value the kernel forgot to write fails
     for t in (ws.logprob, ws.topn_logprobs, ws.kept_threshold):
         t.fill_(float("nan"))
@@ -301,7 +301,7 @@ def test_penalties_and_bias_values(with_out_mask):
         3: {int(top[2, 1]): 5.0, 2999: 1.5},
         5: {0: -2.0},
     }
-    counts, toks, vals = logit_bias_from_dicts(biases, S, "cpu")
+    counts, toks, vals = logit_bias_from_dicts(biases, S, DEVICE)
     prm = _params(
         B,
         temperature=torch.tensor([0.0, 0.9, 1.0, 1.7]),
@@ -322,9 +322,9 @@ def test_penalties_and_bias_values(with_out_mask):
     assert out.token_ids[0] == 17  # greedy row 0 uses slot 1: bias +40 on token 17
     # normalised, with the penalized maxima: row 1 untruncated (the chunks' normalisers), row 2
     # top-p alone (cut by that mass)
-    prm.top_k = torch.tensor([0, 0, 0, 5], dtype=torch.int32)
-    prm.top_p = torch.tensor([1.0, 1.0, 0.7, 0.95])
-    prm.min_p = torch.tensor([0.0, 0.0, 0.0, 0.1])
+    prm.top_k = torch.tensor([0, 0, 0, 5], dtype=torch.int32, device=DEVICE)
+    prm.top_p = torch.tensor([1.0, 1.0, 0.7, 0.95], device=DEVICE)
+    prm.min_p = torch.tensor([0.0, 0.0, 0.0, 0.1], device=DEVICE)
     _check(x, prm, ws=ws, num_logprobs=8, mode="processed_logprobs")
     # the reference's building blocks agree with a direct computation on one row
     y = apply_penalties_reference(apply_bias_reference(x.clone(), prm), prm)
@@ -400,7 +400,7 @@ def test_writable_logits_left_alone_where_in_place_penalties_do_not_apply():
     read-only one."""
     B, V = 3, 700
     pen = _three_row_penalties(V, with_out_mask=True)
-    counts, toks, vals = logit_bias_from_dicts({0: {3: 2.0}}, B, "cpu")
+    counts, toks, vals = logit_bias_from_dicts({0: {3: 2.0}}, B, DEVICE)
     bias = dict(logit_bias_counts=counts, logit_bias_token_ids=toks, logit_bias_values=vals)
     cases = [
         (torch.float32, {}, 3, "raw_logprobs"),
@@ -444,8 +444,10 @@ def test_unseeded_rows_use_device_generator():
     B, V = 6, 300
     x = _logits(1, V, seed=8, scale=0.2).expand(B, V).contiguous()
     has = torch.tensor([True, False, True, False, False, False])
-    prm = SamplingParamsTensors(
-        temperature=torch.ones(B), seeds=torch.full((B,), 77, dtype=torch.int64), has_seed=has
+    prm = on_device(
+        SamplingParamsTensors(
+            temperature=torch.ones(B), seeds=torch.full((B,), 77, dtype=torch.int64), has_seed=has
+        )
     )
     ws = _ws(B, V)
     torch.manual_seed(0)
@@ -479,7 +481,7 @@ def test_edge_rows():
 
 
 def test_vocab_of_one():
-    x = torch.tensor([[0.3], [float("nan")]])
+    x = torch.tensor([[0.3], [float("nan")]], device=DEVICE)
     prm = _params(2, temperature=torch.tensor([1.0, 0.0]), top_k=torch.tensor([1, 1]))
     out, _ = _check(x, prm)
     assert out.token_ids.tolist() == [0, 0] and out.nan_rows.tolist() == [0, 1]
@@ -526,8 +528,8 @@ def test_logprobs_modes(mode, n):
 
 
 def test_topn_pads_rows_with_few_finite_values():
-    x = torch.full((2, 40), float("-inf"))
-    x[0, [3, 9]] = torch.tensor([1.0, 2.0])
+    x = torch.full((2, 40), float("-inf"), device=DEVICE)
+    x[0, [3, 9]] = torch.tensor([1.0, 2.0], device=DEVICE)
     x[1, 5] = 0.0
     prm = _params(2, temperature=torch.ones(2))
     out, _ = _check(x, prm, num_logprobs=4)
@@ -553,17 +555,19 @@ def test_kernel_frequencies_chi_square(trunc):
     row = torch.linspace(-2.0, 2.0, V)[
         torch.randperm(V, generator=torch.Generator().manual_seed(1))
     ]
-    x = row.expand(B, V).contiguous()
+    x = row.expand(B, V).contiguous().to(DEVICE)
     kw = (
         dict(top_k=torch.full((B,), 12, dtype=torch.int32), top_p=torch.full((B,), 0.9))
         if trunc
         else {}
     )
-    prm = SamplingParamsTensors(
-        temperature=torch.full((B,), 0.9),
-        seeds=torch.arange(B, dtype=torch.int64) * 7919 + 11,
-        seed_offsets=torch.full((B,), 3, dtype=torch.int64),
-        **kw,
+    prm = on_device(
+        SamplingParamsTensors(
+            temperature=torch.full((B,), 0.9),
+            seeds=torch.arange(B, dtype=torch.int64) * 7919 + 11,
+            seed_offsets=torch.full((B,), 3, dtype=torch.int64),
+            **kw,
+        )
     )
     out = fused_sample(x, prm, workspace=_ws(B, V), num_logprobs=None)
     assert torch.equal(out.token_ids, sample_reference(x, prm).token_ids)
@@ -629,9 +633,9 @@ def test_outputs_are_workspace_views_and_custom_op_fake():
 
 
 def _bad(match, logits=None, prm=None, **kw):
-    logits = torch.randn(2, 40) if logits is None else logits
+    logits = torch.randn(2, 40, device=DEVICE) if logits is None else logits.to(DEVICE)
     with pytest.raises(ValueError, match=match):
-        fused_sample(logits, prm or SamplingParamsTensors(), **kw)
+        fused_sample(logits, on_device(prm or SamplingParamsTensors()), **kw)
 
 
 def test_bad_inputs():
@@ -671,10 +675,10 @@ def test_bad_inputs():
         "params.logit_bias_counts: required",
         prm=SamplingParamsTensors(logit_bias_values=torch.zeros(2, 3)),
     )
-    _bad("workspace: sized for batch", workspace=SamplingWorkspace.allocate(1, 40, "cpu"))
+    _bad("workspace: sized for batch", workspace=SamplingWorkspace.allocate(1, 40, DEVICE))
     _bad(
         "num_logprobs: workspace allows",
-        workspace=SamplingWorkspace.allocate(2, 40, "cpu", max_logprobs=2),
+        workspace=SamplingWorkspace.allocate(2, 40, DEVICE, max_logprobs=2),
         num_logprobs=3,
     )
     with pytest.raises(ValueError, match="chunk: expected a power of two"):
