@@ -13,6 +13,8 @@ give bit-identical values.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -113,13 +115,30 @@ def _next_bit(todo, w, ow, V):
     return todo ^ low, tok, hit, obit
 
 
+# Whether the kernels run under Triton's interpreter (numpy: never an fma, no inline PTX).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def mul_rn(a, b):
+    """a * b rounded on its own (fp32): compiled, ptxas contracts `y - f * c` into one fma,
+    which rounds once where torch's (vLLM's) penalty arithmetic rounds twice; an explicit
+    mul.rn is never contracted."""
+    if _INTERPRETED:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
 @triton.jit
 def _penalized(y, cnt, obit, rep, inv_rep, freq, pres):
     """vLLM's order: repetition (every seen token), frequency, presence."""
     if rep != 1.0:
         y = y * tl.where(y > 0, inv_rep, rep)
     if freq != 0.0:
-        y = y - freq * cnt.to(tl.float32)
+        y = y - mul_rn(freq, cnt.to(tl.float32))
     if pres != 0.0:
-        y = y - pres * obit.to(tl.float32)
+        y = y - mul_rn(pres, obit.to(tl.float32))
     return y

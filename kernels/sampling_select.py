@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .sampling_penalties import mul_rn
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # vLLM V1 `_SAMPLING_EPS`: temperatures below it mean greedy.
@@ -285,9 +287,9 @@ def _process(
                 inv_rep = tl.math.div_rn(1.0, rep)
                 y = tl.where(pbit | obit, y * tl.where(y > 0, inv_rep, rep), y)
             if freq != 0.0:
-                y = y - freq * cnt.to(tl.float32)
+                y = y - mul_rn(freq, cnt.to(tl.float32))
             if pres != 0.0:
-                y = y - pres * obit.to(tl.float32)
+                y = y - mul_rn(pres, obit.to(tl.float32))
     z = y
     if HAS_TEMP:
         z = tl.math.div_rn(y, t_eff)  # as torch's y / T, bit for bit (see inv_rep above)
