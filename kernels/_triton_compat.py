@@ -5,6 +5,9 @@ are written against one spelling:
 
 - Gluon's CTA-wide barrier is `gl.thread_barrier()` in 3.6 and `gl.barrier()` from 3.7 on (both
   lower to the same `gpu.barrier`); `cta_barrier` is whichever this Triton has.
+- cp.async into shared memory is `async_copy.async_copy_global_to_shared` up to 3.8 and
+  `async_copy.async_load` in 3.9, which removed the old name (same arguments: smem, pointer,
+  mask); `async_load` is whichever this Triton has.
 - Gluon's Hopper API (warp specialization, wgmma, mbarriers, cp.async) is present in 3.6-3.9;
   `gluon_hopper_missing()` says what is missing on a Triton that lacks it, and the attention
   launch rule then keeps the Triton kernels.
@@ -54,5 +57,12 @@ def _gluon_cta_barrier():
     return getattr(gl, "barrier", None) or gl.thread_barrier
 
 
-# A Gluon builtin (it carries `__triton_builtin__`), so @gluon.jit code may call it as a global.
+def _gluon_async_load():
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    return getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+# Gluon builtins (they carry `__triton_builtin__`), so @gluon.jit code may call them as globals.
 cta_barrier = _gluon_cta_barrier() if gluon_hopper_missing() is None else None
+async_load = _gluon_async_load() if gluon_hopper_missing() is None else None

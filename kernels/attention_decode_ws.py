@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch, next_pow2
-from ._triton_compat import cta_barrier
+from ._triton_compat import async_load, cta_barrier
 from .attention_decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
 from .attention_prefill_ws import (
     LOAD_WARPS,
@@ -72,7 +72,7 @@ def _decode_load_partition(
     # Q rows: the kv head's query heads, repeated to fill the tile (padding rows never stored).
     offs_m = gl.arange(0, ROWS, layout=rows_l)
     head = kv_head * GROUP + offs_m % GROUP
-    async_copy.async_copy_global_to_shared(
+    async_load(
         q_smem, q_row + (head * stride_qh)[:, None] + offs_d[None, :]
     )
     async_copy.mbarrier_arrive(q_bar, increment_count=False)

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._launch import launch
+from ._triton_compat import async_load
 from .attention_decode import LOG2E, NEG_BIG, layout_strides
 from .attention_prefill import prefill_grid
 
@@ -156,7 +157,7 @@ def _load_partition(
     head = kv_head * GROUP + offs_m % GROUP
     tok = (q_start + pos).to(gl.int64)
     q_ptrs = q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
-    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_load(q_smem, q_ptrs)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
     n_full, n_tiles = _tile_bounds(ctx, p0, p_last, BLOCK_N)
@@ -196,11 +197,11 @@ def _copy_kv_tile(k_dst, v_dst, k_ptrs, v_ptrs, n_ok, MASKED: gl.constexpr):
     """Issue the cp.async copies of one K/V tile into the slots `k_dst` / `v_dst`; MASKED: the
     rows that are not `n_ok` (past the sequence's end: garbage or NaN) are zero-filled."""
     if MASKED:
-        async_copy.async_copy_global_to_shared(k_dst, k_ptrs, mask=n_ok[:, None])
-        async_copy.async_copy_global_to_shared(v_dst, v_ptrs, mask=n_ok[:, None])
+        async_load(k_dst, k_ptrs, mask=n_ok[:, None])
+        async_load(v_dst, v_ptrs, mask=n_ok[:, None])
     else:
-        async_copy.async_copy_global_to_shared(k_dst, k_ptrs)
-        async_copy.async_copy_global_to_shared(v_dst, v_ptrs)
+        async_load(k_dst, k_ptrs)
+        async_load(v_dst, v_ptrs)
 
 
 @gluon.jit

@@ -332,7 +332,9 @@ def test_penalties_and_bias_values(with_out_mask):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)  # bit patterns: NaN compares equal to itself
+    """Bit patterns, NaN compared equal to itself: one NaN pattern for every NaN (a GPU's
+    arithmetic returns its canonical NaN, numpy keeps the input's payload)."""
+    return torch.where(torch.isnan(t), float("nan"), t).view(torch.int32)
 
 
 @pytest.mark.parametrize("with_out_mask,chunk,bit_steps", [(True, 2048, 1), (False, 4096, 4)])
