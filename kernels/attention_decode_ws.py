@@ -72,9 +72,7 @@ def _decode_load_partition(
     # Q rows: the kv head's query heads, repeated to fill the tile (padding rows never stored).
     offs_m = gl.arange(0, ROWS, layout=rows_l)
     head = kv_head * GROUP + offs_m % GROUP
-    async_load(
-        q_smem, q_row + (head * stride_qh)[:, None] + offs_d[None, :]
-    )
+    async_load(q_smem, q_row + (head * stride_qh)[:, None] + offs_d[None, :])
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
     lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)

@@ -286,7 +286,33 @@ def _warm_up(
                 )  # fmt: skip
         return calls
 
-    return warmup.once("sampling", key, logits.device, compile_all)
+    try:
+        return warmup.once("sampling", key, logits.device, compile_all)
+    except Exception as e:  # noqa: BLE001 - any failure here must not stop the engine
+        # A variant that cannot compile or launch here: vLLM's sampler takes every batch of
+        # this process, rather than one failing while serving.
+        disable_fused_sampling(f"{type(e).__name__} at start-up: {e}"[:500])
+        return True
+
+
+# Why fused sampling is off in this process (None: on).
+_fused_off: str | None = None
+
+
+def disable_fused_sampling(reason: str) -> None:
+    """Send every later batch of this process to vLLM's sampler (counted `stock:startup`)."""
+    global _fused_off
+    _fused_off = reason
+    vllm_compat.get_logger().warning(
+        "fuselane: the sampling kernel failed its start-up warm-up (%s); vLLM's sampler runs "
+        "every batch of this process",
+        reason,
+    )
+
+
+def fused_sampling_off() -> str | None:
+    """Why fused sampling is off in this process (None: on)."""
+    return _fused_off
 
 
 def make_v1_sampler(base: type) -> type:
@@ -339,10 +365,16 @@ def make_v1_sampler(base: type) -> type:
         ) -> Any:
             md = sampling_metadata
             mode = logprobs_mode_override or self.logprobs_mode
-            reason = _unsupported_v1(self, logits, md, predict_bonus_token, mode)
+            off = _fused_off is not None
+            reason = (
+                "startup" if off else _unsupported_v1(self, logits, md, predict_bonus_token, mode)
+            )
             if reason is None:
-                _count("fused")
-                return self._fused(logits, md, mode)
+                out = self._fused(logits, md, mode)
+                if out is not None:
+                    _count("fused")
+                    return out
+                reason = "startup"
             _count("stock", reason)
             return _SAMPLING_STOCK(
                 None,
@@ -363,6 +395,8 @@ def make_v1_sampler(base: type) -> type:
                 self._fuselane_warmed = _warm_up(
                     "v1", logits, params, ws, n, mode, V1_WARM_PARAM_SETS
                 )
+                if _fused_off is not None:
+                    return None
             out = _SAMPLING(
                 None,
                 sampling.fused_sample,
@@ -590,11 +624,17 @@ def make_v2_sampler(base: type) -> type:
             return ws
 
         def __call__(self, logits: torch.Tensor, input_batch: Any) -> Any:
-            reason, num_logprobs = _unsupported_v2(self, logits, input_batch)
+            reason, num_logprobs = (
+                ("startup", None)
+                if _fused_off is not None
+                else _unsupported_v2(self, logits, input_batch)
+            )
             if reason is None:
                 out = self._fused(logits, input_batch, num_logprobs)
-                _count("fused")
-                return out
+                if out is not None:
+                    _count("fused")
+                    return out
+                reason = "startup"
             _count("stock", reason)
             return _SAMPLING_STOCK(None, super().__call__, logits, input_batch)
 
@@ -607,6 +647,8 @@ def make_v2_sampler(base: type) -> type:
                 self._fuselane_warmed = _warm_up(
                     "v2", logits, params, ws, n, self.logprobs_mode, V2_WARM_PARAM_SETS
                 )
+                if _fused_off is not None:
+                    return None
             out = _SAMPLING(
                 None,
                 sampling.fused_sample,

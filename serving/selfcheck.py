@@ -232,6 +232,9 @@ def run_selfcheck(*, families: list[str] | None, seed: int, out: TextIO) -> int:
     mode = (
         "GPU " + torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (Triton interpreter)"
     )
+    from .stack_report import stack_lines
+
+    out.write("\n".join(stack_lines()) + "\n\n")
     out.write(f"fuselane check on {mode}, seed {seed}\n\n")
     rows: list[CheckRow] = []
     for name in families or list(FAMILIES):

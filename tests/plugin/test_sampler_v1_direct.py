@@ -56,3 +56,26 @@ def test_nan_rows_stay_fused_and_never_draw_a_nan_token():
         assert tokens[1] not in nan_ids
         assert 0 <= tokens[2] < vocab
     assert sampler_hook.counters() == {"fused": 8}
+
+
+def test_a_kernel_failing_its_warm_up_sends_every_batch_to_vllms_sampler(monkeypatch):
+    """Start-up: a sampling kernel that cannot compile or launch switches fused sampling off for
+    the process (logged), and that first batch and every later one get vLLM's own result."""
+    from fuselane.plugin import warmup
+
+    def fails(kind, key, device, compile_all):
+        raise RuntimeError("PTX .version 9.4 does not support .target sm_90a")
+
+    monkeypatch.setattr(warmup, "once", fails)
+    monkeypatch.setattr(sampler_hook, "_fused_off", None)
+    vocab = 64
+    sampler = sampler_hook.make_v1_sampler(Sampler)(logprobs_mode="raw_logprobs")
+    stock = Sampler(logprobs_mode="raw_logprobs")
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    md = _metadata([0.0, 0.0, 0.0], [vocab, vocab, vocab])
+    sampler_hook.reset_counters()
+    for _ in range(2):
+        got = sampler.forward(logits.clone(), md).sampled_token_ids
+        assert torch.equal(got, stock.forward(logits.clone(), md).sampled_token_ids)
+    assert "RuntimeError at start-up: PTX" in sampler_hook.fused_sampling_off()
+    assert sampler_hook.counters() == {"stock": 2, "stock:startup": 2}

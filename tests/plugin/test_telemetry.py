@@ -786,3 +786,32 @@ def test_kv_write_backends_note_the_step_phase(tel, monkeypatch):
     cm = SimpleNamespace(query_start_loc_cpu=torch.tensor([0, 1, 9], dtype=torch.int32))
     assert builder.build(0, cm) == ("stock", 0)
     assert tel.step_phase() == "mixed"
+
+
+# ------------------------------------------------------------------- start-up launch check
+
+
+def test_a_direct_launch_fallback_is_logged_and_counted(tel, monkeypatch, caplog):
+    """warmup.once: a kernel whose direct launch fails the start-up check is named in the
+    engine log and counted in fuselane_direct_launch_fallbacks_total."""
+    import logging
+
+    from fuselane.kernels import _launch
+    from fuselane.plugin import warmup
+
+    def compile_all() -> int:
+        if not _launch._checking:  # the compile-only pass: nothing to check yet
+            return 1
+        _launch._fallbacks.append(("_unknown_kernel", "direct launch raised TypeError: run()"))
+        return 1
+
+    monkeypatch.setattr(_launch, "_fallbacks", list(_launch._fallbacks))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    warmup.reset()
+    before = value("fuselane_direct_launch_fallbacks_total", kernel="_unknown_kernel")
+    with caplog.at_level(logging.WARNING):
+        assert warmup.once("attention", ("k",), torch.device("cuda"), compile_all)
+    assert "kernel _unknown_kernel launches through Triton's launcher" in caplog.text
+    after = value("fuselane_direct_launch_fallbacks_total", kernel="_unknown_kernel")
+    assert after == before + 1
+    warmup.reset()

@@ -47,6 +47,14 @@ def test_check_kv_cache_passes_and_reports():
     report = out.getvalue()
     assert rc == 0, report
     assert "fp8-e4m3" in report and "rope (neox)" in report and "0 failed" in report
+    import torch
+    import triton
+
+    # the stack it ran on, first
+    assert f"triton   {triton.__version__} (tested)" in report
+    assert f"torch    {torch.__version__}" in report and "\nvllm     " in report
+    assert "Hopper warp-specialized kernels off: no CUDA device" in report
+    assert "launches: Triton's launcher (interpreter)" in report
 
 
 def test_tiny_model_subcommand_builds_a_loadable_folder(tmp_path, capsys):
