@@ -91,6 +91,8 @@ REFERENCE_ARM = "FLASH_ATTN"
 # arm's first engine serves its second).
 MAX_MODEL_LEN = 8704  # 8192 + 256 for the longest workload, plus room
 GPU_MEMORY_UTILIZATION = 0.85
+TENSOR_PARALLEL = 1  # --tensor-parallel-size
+TELEMETRY = False  # --telemetry: fuselane arms' servers export kernel metrics, scraped at the end
 DTYPE = "bfloat16"
 ENGINE_SEED = 0
 
@@ -269,6 +271,8 @@ def engine_kwargs(arm: Arm, model: str | Path, profile: bool = False) -> dict[st
         "seed": ENGINE_SEED,
         "compilation_config": {"cache_dir": str(compile_cache_dir(arm))},
     }
+    if TENSOR_PARALLEL > 1:
+        kw["tensor_parallel_size"] = TENSOR_PARALLEL
     if arm.attention_backend is not None:
         kw["attention_backend"] = arm.attention_backend
     if profile:
@@ -292,9 +296,38 @@ def server_command(arm: Arm, model_dir: str | Path, port: int) -> list[str]:
         "--compilation-config", json.dumps({"cache_dir": str(compile_cache_dir(arm))}),
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    if TENSOR_PARALLEL > 1:
+        cmd += ["--tensor-parallel-size", str(TENSOR_PARALLEL)]
     if arm.attention_backend is not None:
         cmd += ["--attention-backend", arm.attention_backend]
     return cmd
+
+
+def server_env(arm: Arm) -> dict[str, str]:
+    """The server's environment: the arm's, plus with --telemetry for a fuselane arm the kernel
+    metrics of every engine process on `/metrics` (a fresh multiprocess directory)."""
+    env = arm_env(arm)
+    if TELEMETRY and arm.needs_fuselane:
+        prom = WORK_DIR / "prometheus" / arm.name
+        shutil.rmtree(prom, ignore_errors=True)
+        prom.mkdir(parents=True)
+        env.update(FUSELANE_TELEMETRY="1", PROMETHEUS_MULTIPROC_DIR=str(prom))
+    return env
+
+
+def scrape_fuselane_metrics(base_url: str) -> dict[str, Any]:
+    """The `fuselane_*` samples of the server's `/metrics` (launch counts, fallbacks, ...)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("fuselane_")]
+    launches: dict[str, float] = {}
+    for ln in lines:
+        if ln.startswith("fuselane_kernel_launches_total{"):
+            labels, value = ln.rsplit(" ", 1)
+            launches[labels.removeprefix("fuselane_kernel_launches_total")] = float(value)
+    return {"samples": len(lines), "launches": launches, "lines": lines[:200]}
 
 
 def arm_env(arm: Arm) -> dict[str, str]:
@@ -689,11 +722,14 @@ def run_online(arm: Arm, model_dir: Path, log_path: Path, quick: bool, start_tim
     result: dict[str, Any] = {"command": " ".join(cmd)}
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
-        with owned_process(cmd, arm_env(arm), log) as proc:
+        with owned_process(cmd, server_env(arm), log) as proc:
             try:
                 _wait_server(proc, base_url, start_timeout)
                 result["engine_start_s"] = time.perf_counter() - t0
                 result["rates"] = asyncio.run(_drive_online(base_url, online_plan(quick)))
+                if TELEMETRY and arm.needs_fuselane:
+                    time.sleep(3.0)  # the engine processes publish their counts every second
+                    result["metrics"] = scrape_fuselane_metrics(base_url)
                 result["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - recorded
                 result["status"] = "failed"
@@ -960,6 +996,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--online-only", action="store_true", help="servers only (no offline engines)")
     p.add_argument("--budget-s", type=float, default=530.0, help="whole-run time budget")
     p.add_argument("--start-timeout-s", type=float, default=240.0)
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM's flag)"
+    )
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="fuselane arms' servers export kernel metrics (FUSELANE_TELEMETRY=1 and a fresh "
+        "PROMETHEUS_MULTIPROC_DIR); their fuselane_* samples are kept in the report",
+    )
     p.add_argument("--no-results-copy", action="store_true", help="no copy in benchmarks/results")
     p.add_argument(
         "--probe-only",
@@ -1050,6 +1095,8 @@ def new_report(args: argparse.Namespace) -> dict[str, Any]:
         "fuselane_entry_point": fuselane_entry_point(),
         "sampler_hook": sampler_hook_available(),
         "quick": bool(args.quick),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "telemetry": bool(args.telemetry),
         "dry_run": bool(args.dry_run),
         "plan": plan(args),
         "arms": {},
@@ -1103,6 +1150,7 @@ def run_arm_offline(arm: Arm, args: argparse.Namespace, logs: Path, timeout: flo
            "--worker-arm", arm.name, "--worker-result", str(result_path),
            "--model", args.model]  # fmt: skip
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--probe-only"] if args.probe_only else []
     cmd += ["--profile"] if args.profile else []
@@ -1162,6 +1210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.smoke:
         apply_smoke()
+    global TENSOR_PARALLEL, TELEMETRY
+    TENSOR_PARALLEL, TELEMETRY = args.tensor_parallel_size, args.telemetry
     if args.worker == "offline":
         arm = next(a for a in make_arms() + v1_runner_arms() if a.name == args.worker_arm)
         return worker_offline(
