@@ -194,6 +194,7 @@ def _sample_chunk_kernel(
     CAP: tl.constexpr,
     SUB: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_TOPP: tl.constexpr,
     HAS_MINP: tl.constexpr,
@@ -257,6 +258,7 @@ def _sample_chunk_kernel(
         rseeds_ptr,
         offsets_ptr,
         HAS_TEMP,
+        EXACT,
         HAS_TOPK,
         HAS_TOPP,
         HAS_MINP,
@@ -285,6 +287,7 @@ def _sample_chunk_kernel(
                 CHUNK // 32,
                 HAS_OUT_MASK,
                 BIT_STEPS,
+                EXACT,
             )
         tl.debug_barrier()  # every rewritten token stored before the chunk is read
     _tok, x, z, is_nan = process_tile(
@@ -311,6 +314,7 @@ def _sample_chunk_kernel(
         b_stride,
         Q,
         HAS_TEMP,
+        EXACT,
         HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
@@ -354,6 +358,7 @@ def _sample_chunk_kernel(
         Q,
         CAP,
         HAS_TEMP,
+        EXACT,
         HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
@@ -402,6 +407,7 @@ def _sample_chunk_kernel(
                 Q,
                 CAP,
                 HAS_TEMP,
+                EXACT,
                 HAS_BIAS,
                 HAS_PEN,
                 HAS_OUT_MASK,
@@ -441,6 +447,7 @@ def _sample_chunk_kernel(
                 b_stride,
                 SUB // 4,
                 HAS_TEMP,
+                EXACT,
                 HAS_BIAS,
                 HAS_PEN,
                 HAS_OUT_MASK,
@@ -511,6 +518,7 @@ def _sample_combine_kernel(
     MODE: tl.constexpr,
     TP: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_TOPP: tl.constexpr,
     HAS_MINP: tl.constexpr,
@@ -558,6 +566,7 @@ def _sample_combine_kernel(
             rseeds_ptr,
             offsets_ptr,
             HAS_TEMP,
+            EXACT,
             HAS_TOPK,
             HAS_TOPP,
             HAS_MINP,
@@ -810,6 +819,7 @@ def _sample_combine_kernel(
                     NP,
                     FB_TILE,
                     HAS_TEMP,
+                    EXACT,
                     HAS_BIAS,
                     HAS_PEN,
                     HAS_OUT_MASK,
@@ -855,6 +865,7 @@ def _sample_combine_kernel(
                 b_stride,
                 FB_TILE // 4,
                 HAS_TEMP,
+                EXACT,
                 HAS_BIAS,
                 HAS_PEN,
                 HAS_OUT_MASK,
@@ -1065,6 +1076,10 @@ def pick_chunk(batch: int, vocab: int) -> int:
     return pick_launch(batch, vocab)[0]
 
 
+# The roundings a workspace can ask for (SamplingWorkspace.allocate's `arith`), default first.
+ARITH_MODES = ("triton", "torch")
+
+
 class SamplingWorkspace:
     """Fixed device scratch and outputs for `fused_sample`, sized once for (max_batch, vocab).
 
@@ -1087,10 +1102,19 @@ class SamplingWorkspace:
         cap: int = CAP,
         chunk_warps: int | None = None,
         maxnreg: int | None = None,
+        arith: str = "triton",
     ) -> SamplingWorkspace:
         """chunk, cap, chunk_warps (warps of the chunk kernel) and maxnreg (its register cap;
         both apply only with chunk) override the launch rule: tests use tiny chunk/cap to
-        exercise every path, the benchmark's --sweep times alternatives."""
+        exercise every path, the benchmark's --sweep times alternatives.
+
+        arith: the rounding of temperature and penalties on a GPU (`sampling_penalties.div`):
+        "triton" (Triton's own fp32 arithmetic, div.full.f32 and fused multiply-adds, as vLLM
+        V2's sampler kernels compute) or "torch" (IEEE division and each product rounded, as
+        the references and vLLM's V1 sampler compute; 8-40% slower at B=32-256 on an H200,
+        sampling-arith-torch-h200-2026-11-26.json against sampling-h200-2026-11-26.json). The
+        two differ by at most 2 ulp per value, and not at all under Triton's interpreter."""
+        check_choice("arith", arith, ARITH_MODES)
         if max_batch < 1 or vocab < 1:
             raise ValueError(f"max_batch and vocab: expected >= 1, got {max_batch}, {vocab}")
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
@@ -1106,6 +1130,7 @@ class SamplingWorkspace:
         ws.device, ws.max_batch, ws.vocab = device, max_batch, vocab
         ws.max_logprobs, ws.chunk, ws.cap = max_logprobs, chunk, cap
         ws.chunk_warps, ws.maxnreg = chunk_warps or 0, maxnreg or 0
+        ws.arith = arith
         # Planes hold one entry per (row, chunk); size for the largest grid of any batch size.
         if chunk is not None:
             plane = max_batch * cdiv(vocab, chunk)
@@ -1282,11 +1307,12 @@ def _fused_sample_into_impl(
     chunk_warps: int,
     maxnreg: int,
     pen_in_place: bool,
+    exact_arith: bool,
 ) -> None:
     """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
     no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES. pen_in_place: the chunk kernel writes the
     penalized values of seen tokens into `logits` first; both kernels then read them as
-    plain logits."""
+    plain logits. exact_arith: the workspace's `arith` is "torch"."""
     B, V = logits.shape
     has_pen = (
         repetition_penalty is not None
@@ -1344,6 +1370,7 @@ def _fused_sample_into_impl(
     )
     flags = dict(
         HAS_TEMP=temperature is not None,
+        EXACT=exact_arith,
         HAS_TOPK=top_k is not None,
         HAS_TOPP=top_p is not None,
         HAS_MINP=min_p is not None,
@@ -1533,6 +1560,7 @@ def fused_sample(
         warps,
         maxnreg,
         in_place,
+        ws.arith == "torch",
     )
     return SampleOutput(
         token_ids=ws.token_ids[:B],

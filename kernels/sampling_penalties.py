@@ -41,6 +41,7 @@ def penalize_words(
     WORDS: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
     STEPS: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Penalize the seen tokens of packed words [w0, w0 + WORDS) of one row in place: xrow the
     row's fp32 logits, crow its output counts, prow / orow its prompt / output bit words (orow
@@ -61,8 +62,7 @@ def penalize_words(
     todo = ow
     if rep != 1.0:
         todo = todo | tl.load(prow + w, mask=wok, other=0)
-    # div_rn, not `/` (div.full.f32 on NVIDIA GPUs): the reference's 1 / r rounds to nearest.
-    inv_rep = tl.math.div_rn(1.0, rep)
+    inv_rep = div(1.0, rep, EXACT)
     # One set bit per lane per step, lowest first: as many steps as the most bits one word
     # holds, not 32. The count is taken once (SWAR popcount), so the steps need no barrier
     # and each warp walks its words at its own pace. STEPS = 1 or 4 steps per iteration.
@@ -86,10 +86,10 @@ def penalize_words(
             c1 = tl.load(crow + t1, mask=o1, other=0)
             c2 = tl.load(crow + t2, mask=o2, other=0)
             c3 = tl.load(crow + t3, mask=o3, other=0)
-            tl.store(xrow + t0, _penalized(y0, c0, o0, rep, inv_rep, freq, pres), mask=h0)
-            tl.store(xrow + t1, _penalized(y1, c1, o1, rep, inv_rep, freq, pres), mask=h1)
-            tl.store(xrow + t2, _penalized(y2, c2, o2, rep, inv_rep, freq, pres), mask=h2)
-            tl.store(xrow + t3, _penalized(y3, c3, o3, rep, inv_rep, freq, pres), mask=h3)
+            tl.store(xrow + t0, _penalized(y0, c0, o0, rep, inv_rep, freq, pres, EXACT), mask=h0)
+            tl.store(xrow + t1, _penalized(y1, c1, o1, rep, inv_rep, freq, pres, EXACT), mask=h1)
+            tl.store(xrow + t2, _penalized(y2, c2, o2, rep, inv_rep, freq, pres, EXACT), mask=h2)
+            tl.store(xrow + t3, _penalized(y3, c3, o3, rep, inv_rep, freq, pres, EXACT), mask=h3)
     else:
         tl.static_assert(STEPS == 1, "STEPS: 1 or 4")
         for _ in range(steps):
@@ -98,7 +98,9 @@ def penalize_words(
             cnt = tl.zeros_like(tok)
             if freq != 0.0:
                 cnt = tl.load(crow + tok, mask=obit, other=0)
-            tl.store(xrow + tok, _penalized(y, cnt, obit, rep, inv_rep, freq, pres), mask=hit)
+            tl.store(
+                xrow + tok, _penalized(y, cnt, obit, rep, inv_rep, freq, pres, EXACT), mask=hit
+            )
 
 
 @triton.jit
@@ -119,26 +121,42 @@ def _next_bit(todo, w, ow, V):
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
+# The arithmetic of temperature and penalties, in one of two roundings (EXACT, a constexpr):
+# - True: each operation rounded as torch rounds it, which is what vLLM's V1 sampler computes
+#   (`logits.div_(temperature)`, penalties as separate tensor operations);
+# - False: Triton's own fp32 arithmetic, which is what vLLM's V2 sampler computes (its Triton
+#   kernels): `/` is div.full.f32 (within 2 ulp) and ptxas fuses `y - f * c` into one fma.
+# Under the interpreter (numpy) both are torch's.
+
+
 @triton.jit
-def mul_rn(a, b):
-    """a * b rounded on its own (fp32): compiled, ptxas contracts `y - f * c` into one fma,
-    which rounds once where torch's (vLLM's) penalty arithmetic rounds twice; an explicit
-    mul.rn is never contracted."""
-    if _INTERPRETED:
-        return a * b
+def div(a, b, EXACT: tl.constexpr):
+    """a / b (fp32) in the rounding EXACT selects."""
+    if EXACT:
+        return tl.math.div_rn(a, b)
     else:
+        return a / b
+
+
+@triton.jit
+def mul(a, b, EXACT: tl.constexpr):
+    """a * b (fp32), with EXACT rounded on its own: an explicit mul.rn, which ptxas never
+    contracts into a following subtraction."""
+    if EXACT and not _INTERPRETED:
         return tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
         )
+    else:
+        return a * b
 
 
 @triton.jit
-def _penalized(y, cnt, obit, rep, inv_rep, freq, pres):
+def _penalized(y, cnt, obit, rep, inv_rep, freq, pres, EXACT: tl.constexpr):
     """vLLM's order: repetition (every seen token), frequency, presence."""
     if rep != 1.0:
         y = y * tl.where(y > 0, inv_rep, rep)
     if freq != 0.0:
-        y = y - mul_rn(freq, cnt.to(tl.float32))
+        y = y - mul(freq, cnt.to(tl.float32), EXACT)
     if pres != 0.0:
-        y = y - mul_rn(pres, obit.to(tl.float32))
+        y = y - mul(pres, obit.to(tl.float32), EXACT)
     return y

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sampling_penalties import mul_rn
+from .sampling_penalties import div, mul
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -131,6 +131,7 @@ def load_row_params(
     rseeds_ptr,
     offsets_ptr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_TOPP: tl.constexpr,
     HAS_MINP: tl.constexpr,
@@ -235,6 +236,7 @@ def _process(
     bval_ptr,
     b_stride,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
@@ -282,17 +284,15 @@ def _process(
                 pbit = ((pw >> sh)[:, None] & jbit) != 0
                 # vLLM: scale = r where seen in prompt or output; y *= (y > 0 ? 1/scale : scale)
                 # (y * 1 == y where unseen, so only seen tokens take the product)
-                # div_rn: Triton's fp32 `/` is div.full.f32 (2 ulp) on NVIDIA GPUs; torch's
-                # (vLLM's) division rounds to nearest, and the kept sets compare exact values.
-                inv_rep = tl.math.div_rn(1.0, rep)
+                inv_rep = div(1.0, rep, EXACT)
                 y = tl.where(pbit | obit, y * tl.where(y > 0, inv_rep, rep), y)
             if freq != 0.0:
-                y = y - mul_rn(freq, cnt.to(tl.float32))
+                y = y - mul(freq, cnt.to(tl.float32), EXACT)
             if pres != 0.0:
-                y = y - mul_rn(pres, obit.to(tl.float32))
+                y = y - mul(pres, obit.to(tl.float32), EXACT)
     z = y
     if HAS_TEMP:
-        z = tl.math.div_rn(y, t_eff)  # as torch's y / T, bit for bit (see inv_rep above)
+        z = div(y, t_eff, EXACT)
     return x, z, is_nan
 
 
@@ -321,6 +321,7 @@ def process_tile(
     b_stride,
     Q: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
@@ -362,6 +363,7 @@ def process_tile(
         bval_ptr,
         b_stride,
         HAS_TEMP,
+        EXACT,
         HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
@@ -397,6 +399,7 @@ def process_rows(
     bval_ptr,
     b_stride,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
@@ -432,6 +435,7 @@ def process_rows(
         bval_ptr,
         b_stride,
         HAS_TEMP,
+        EXACT,
         HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
@@ -505,6 +509,7 @@ def select_candidates(
     Q: tl.constexpr,
     CAP: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
@@ -573,6 +578,7 @@ def select_candidates(
         bval_ptr,
         b_stride,
         HAS_TEMP,
+        EXACT,
         HAS_BIAS,
         HAS_PEN,
         HAS_OUT_MASK,
@@ -664,6 +670,7 @@ def row_search(
     NP: tl.constexpr,
     TILE: tl.constexpr,
     HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
@@ -711,6 +718,7 @@ def row_search(
                 b_stride,
                 TILE // 4,
                 HAS_TEMP,
+                EXACT,
                 HAS_BIAS,
                 HAS_PEN,
                 HAS_OUT_MASK,

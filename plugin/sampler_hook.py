@@ -260,6 +260,12 @@ V2_WARM_PARAM_SETS = (
 # allows 20 by default) the first such request compiles the widest.
 WARM_TOPN_WIDTHS = 2
 WARM_LOGPROB_PARAM_SETS = (("temperature",), ("temperature", "top_k", "top_p"))
+# The kernel's rounding (kernels.sampling.ARITH_MODES) for both runners: Triton's, which is
+# what V2's own sampler kernels compute (so the fused tokens stay V2's bit for bit on a GPU).
+# V1's torch sampler rounds each operation; matching it costs 8-40% of the kernel's time at
+# B=32-256 (sampling-arith-torch-h200-2026-11-26.json against sampling-h200-2026-11-26.json),
+# and V1's fused draws already differ from its stock ones, so V1 takes the fast rounding too.
+V1_ARITH = V2_ARITH = "triton"
 
 
 def _warm_up(
@@ -340,7 +346,7 @@ def make_v1_sampler(base: type) -> type:
                 # Sized once in practice: the runner's dummy sampler run uses max_num_seqs rows.
                 rows = max(B, ws.max_batch if ws is not None and ws.vocab == V else 0)
                 ws = sampling.SamplingWorkspace.allocate(
-                    rows, V, logits.device, max_logprobs=sampling.MAX_LOGPROBS
+                    rows, V, logits.device, max_logprobs=sampling.MAX_LOGPROBS, arith=V1_ARITH
                 )
                 self._fuselane_ws = ws
             return ws
@@ -599,11 +605,14 @@ def make_v2_sampler(base: type) -> type:
             self._fuselane_reason = _unsupported_v2_sampler(self)
             self._fuselane_warmed = False
             # Sized here, before vLLM's memory profiling, for the most rows __call__ gets.
+            # arith="triton": V2's own sampler is Triton kernels (its `/` and fused
+            # multiply-adds); the same rounding keeps the fused tokens V2's bit for bit.
             self._fuselane_ws = sampling.SamplingWorkspace.allocate(
                 ss.max_num_reqs,
                 ss.vocab_size,
                 self.req_states.device,
                 max_logprobs=sampling.MAX_LOGPROBS,
+                arith=V2_ARITH,
             )
 
         def add_request(self, req_idx: int, sampling_params: Any) -> None:
@@ -618,8 +627,9 @@ def make_v2_sampler(base: type) -> type:
             ws = self._fuselane_ws
             if ws.max_batch < B or ws.vocab != V or ws.device != logits.device:
                 ws = sampling.SamplingWorkspace.allocate(
-                    max(B, ws.max_batch), V, logits.device, max_logprobs=sampling.MAX_LOGPROBS
-                )
+                    max(B, ws.max_batch), V, logits.device, max_logprobs=sampling.MAX_LOGPROBS,
+                    arith=V2_ARITH,
+                )  # fmt: skip
                 self._fuselane_ws = ws
             return ws
 

@@ -65,6 +65,9 @@ except ImportError:  # a bare checkout (the GPU machine): the root folders are p
 
 T, K, P = 0.7, 50, 0.9
 CASES = [(1, 128256), (32, 128256), (256, 151936)]
+# The rounding timed: the one the sampler hook uses (kernels.sampling.ARITH_MODES), which is
+# also what every sampling result before 2026-11-26 measured.
+ARITH = "triton"
 GOALS_MS = {1: 0.03, 32: 0.05, 256: 0.15}  # issue 4, H100/H200
 PEN_RATIO_GOAL = 1.3
 MIN_P, REP, FREQ, PRES = 0.05, 1.1, 0.2, 0.3
@@ -287,7 +290,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
                 B, V, gen, dev, pen=opt.get("pen", False), greedy_rows=opt.get("greedy", 0), **over
             )
             x = make_logits(B, V, gen, dev, dtype=opt.get("dtype", torch.float32))
-            ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5)
+            ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5, arith=ARITH)
             # raw logprobs differ from processed ones in the ordering only with bias/penalties
             modes = ["processed_logprobs"]
             if opt.get("pen") or opt.get("bias") or small:
@@ -309,7 +312,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
     x[1, 5] = float("nan")
     x[2, :] = float("nan")
     prm = make_params(B, V, gen, dev, temperature=torch.zeros(B, device=dev))
-    ws = smp.SamplingWorkspace.allocate(B, V, dev)
+    ws = smp.SamplingWorkspace.allocate(B, V, dev, arith=ARITH)
     out = smp.fused_sample(x, prm, workspace=ws)
     want = torch.nan_to_num(x, nan=float("-inf")).argmax(-1)
     want[2] = 0
@@ -325,7 +328,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
     rows, calls, V = (256, 2, 16) if small else (4096, 16, 16)
     row = torch.linspace(-2.0, 2.0, V, device=dev)[torch.randperm(V, generator=gen, device=dev)]
     x = row.expand(rows, V).contiguous()
-    ws = smp.SamplingWorkspace.allocate(rows, V, dev)
+    ws = smp.SamplingWorkspace.allocate(rows, V, dev, arith=ARITH)
     for trunc in (False, True):
         kw = (
             dict(
@@ -376,7 +379,7 @@ def bench_case(
     name = case_name(B, V, pen)
     x = make_logits(B, V, gen, dev)
     prm = make_params(B, V, gen, dev, pen=pen)
-    ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5)
+    ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5, arith=ARITH)
     ok, summary, info = compare(x, prm, ws)
     run.line(f"case {name}", ok, summary)
     if ok and pen:
@@ -486,7 +489,7 @@ def run_profile(run: Runner, gen) -> None:
         for pen in (False, True):
             x = make_logits(B, V, gen, dev)
             prm = make_params(B, V, gen, dev, pen=pen)
-            ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5)
+            ws = smp.SamplingWorkspace.allocate(B, V, dev, max_logprobs=5, arith=ARITH)
             for _ in range(3):
                 smp.fused_sample(x, prm, workspace=ws, num_logprobs=None)
             torch.cuda.synchronize()
@@ -553,6 +556,7 @@ def sweep_case(run: Runner, gen, B: int, V: int, pen: bool, points) -> None:
                 V,
                 dev,
                 max_logprobs=5,
+                arith=ARITH,
                 chunk=chunk,
                 chunk_warps=warps,
                 maxnreg=maxnreg or None,
@@ -587,6 +591,7 @@ def goals(report, base_ms: dict) -> list[str]:
 
 
 def main() -> int:
+    global ARITH
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -614,6 +619,12 @@ def main() -> int:
     )
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds before the sweep stops")
     ap.add_argument(
+        "--arith",
+        choices=smp.ARITH_MODES,
+        default=ARITH,
+        help=f"the kernel's rounding (default {ARITH}: vLLM V2's); another is named in the JSON",
+    )
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="no GPU: run the checks on tiny shapes under the Triton interpreter",
@@ -635,7 +646,10 @@ def main() -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     gen = torch.Generator(device=dev).manual_seed(1234)
-    report = harness.Report("sampling_tune" if args.tune else "sampling")
+    ARITH = args.arith
+    name = "sampling_tune" if args.tune else "sampling"
+    report = harness.Report(name if ARITH == "triton" else f"{name}-arith-{ARITH}")
+    report.notes.append(f"arith={ARITH}")
     copy_tbps = harness.copy_ceiling_tbps()
     empty_us = harness.empty_kernel_ms() * 1e3
     report.ceilings.update(copy_tbps=copy_tbps, empty_kernel_us=empty_us)

@@ -31,7 +31,7 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     gen = generator(dev, case.seed, on_device=True)  # bench_sampling draws on the device
     x = bs.make_logits(batch, vocab, gen, dev)
     prm = bs.make_params(batch, vocab, gen, dev)
-    ws = smp.SamplingWorkspace.allocate(batch, vocab, dev, max_logprobs=5)
+    ws = smp.SamplingWorkspace.allocate(batch, vocab, dev, max_logprobs=5, arith=bs.ARITH)
 
     def fuselane():
         def check() -> tuple[bool, str]:

@@ -66,7 +66,10 @@ def _params(B, *, seed=0, **kw) -> SamplingParamsTensors:
 
 
 def _ws(B, V, **kw) -> SamplingWorkspace:
+    """torch's rounding by default: on a GPU too the kernel's values then equal the references'
+    bit for bit (test_both_roundings_run_and_agree_within_two_ulp covers Triton's)."""
     kw.setdefault("max_logprobs", 8)
+    kw.setdefault("arith", "torch")
     ws = SamplingWorkspace.allocate(B, V, DEVICE, **kw)
     # poison every output so a value the kernel forgot to write fails
     for t in (ws.logprob, ws.topn_logprobs, ws.kept_threshold):
@@ -744,3 +747,42 @@ def test_logprob_counts_share_a_few_combine_variants(monkeypatch):
     for n in (1, 3, 8, 9):
         _check(x, prm, ws=ws, num_logprobs=n)
     assert seen == [8, 8, 8, 32]
+
+
+# ----------------------------------------------------------------------------------------------
+# Roundings: torch's (vLLM V1, the references) and Triton's (vLLM V2)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_both_roundings_run_and_agree_within_two_ulp():
+    """arith="triton" (vLLM V2's own Triton arithmetic: div.full.f32, fused multiply-adds) and
+    arith="torch" (the references, vLLM V1): under the interpreter the same values; on a GPU
+    thresholds within 2 ulp and the same greedy tokens."""
+    B, V = 4, 3000
+    x = _logits(B, V, seed=31)
+    pen = _three_row_penalties(V, with_out_mask=True)
+    pen = {k: torch.cat([v, v[:1]]) if isinstance(v, torch.Tensor) else v for k, v in pen.items()}
+    prm = _params(
+        B,
+        temperature=torch.tensor([0.0, 0.7, 1.3, 0.9]),
+        top_k=torch.tensor([0, 40, 0, 0], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 0.95]),
+        **pen,
+    )
+    outs = {}
+    for arith in ("torch", "triton"):
+        ws = _ws(B, V, arith=arith)
+        outs[arith] = fused_sample(x.clone(), prm, workspace=ws, num_logprobs=None)
+    a, b = outs["torch"], outs["triton"]
+    assert a.token_ids[0] == b.token_ids[0]  # greedy row
+    if DEVICE.type == "cpu":
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(_bits(a.kept_threshold), _bits(b.kept_threshold))
+    else:
+        fin = torch.isfinite(a.kept_threshold)
+        assert torch.equal(fin, torch.isfinite(b.kept_threshold))
+        torch.testing.assert_close(
+            b.kept_threshold[fin], a.kept_threshold[fin], atol=0.0, rtol=2.5e-7
+        )
+    with pytest.raises(ValueError, match=r"arith: expected one of \['triton', 'torch'\]"):
+        SamplingWorkspace.allocate(B, V, DEVICE, arith="fast")

@@ -56,6 +56,7 @@ def test_nan_rows_stay_fused_and_never_draw_a_nan_token():
         assert tokens[1] not in nan_ids
         assert 0 <= tokens[2] < vocab
     assert sampler_hook.counters() == {"fused": 8}
+    assert sampler._fuselane_ws.arith == "triton"  # the fast rounding (see V1_ARITH)
 
 
 def test_a_kernel_failing_its_warm_up_sends_every_batch_to_vllms_sampler(monkeypatch):

@@ -197,6 +197,8 @@ def test_dummy_batch_is_fused(scen):
     """The runner's dummy sampler run: slots no request was added to (V2's defaults)."""
     _assert_fused("dummy", scen["dummy"])
     _assert_same("dummy", scen["dummy"])
+    # the kernel rounds as V2's Triton kernels do, so its tokens stay V2's on a GPU too
+    assert scen["arith"] == "triton"
 
 
 def test_min_tokens_takes_stock_until_satisfied(scen):

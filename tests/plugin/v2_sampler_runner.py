@@ -333,6 +333,7 @@ def scenarios(timings: dict[str, float]) -> dict[str, Any]:
     bench = Bench()
     bench.slots, bench.lens = [0, 1, 2], [0, 0, 0]
     out["dummy"] = bench.run(_logits(3, 7), bench.batch(0))
+    out["arith"] = bench.sampler._fuselane_ws.arith  # V2's own rounding (Triton kernels)
     # min_tokens masks the stop tokens while seq_len < prompt_len + min_tokens: stock until then.
     bench = plain([SP(temperature=0.0, min_tokens=3, stop_token_ids=[5]), SP(temperature=0.5)])
     out["min_tokens"] = [
