@@ -89,7 +89,7 @@ def run(out: Path, bench: bool, pytest_args: list[str]) -> Path:
         bench_dir = out / f"bench-{tag}"
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "fuselane.serving.cli", "bench", "kernels", "--quick",
+            [sys.executable, "-m", "fuselane.benchmarks.kernels.cli", "--quick",
              "--model", "llama-3-8b", "--peers", "none", "--out", str(bench_dir)],
             cwd=REPO, text=True, capture_output=True,
         )  # fmt: skip

@@ -6,7 +6,7 @@ once it exceeds the GPU's time per layer. Triton 3.6's `JITFunction.run` spends 
 microseconds per launch beyond the launch itself: it re-reads knobs, stringifies the options
 for its cache key, re-checks the kernel's global values and, because its launch hooks are a
 `HookChain` that is never None, builds launch metadata (a dict of every argument) and calls two
-empty hook chains from C on every launch (measured: .notes/host-overhead.md).
+empty hook chains from C on every launch (measured: docs/tuning/host-overhead.md).
 
 `launch(fn, grid, *args, **kwargs)` does what `fn[grid](*args, **kwargs)` does. The first call
 of each variant goes through `fn[grid]` (compiling it if needed) and keeps the compiled kernel

@@ -308,7 +308,7 @@ def smem_per_block(device: torch.device) -> int:
 
 
 # Decode tile, measured on an H200 (run 2, 2026-11-21; bf16, Hq=32, Hkv=8, D=128, page 16;
-# .notes/gpu-run2-attn.log), us per call for 64 KV tokens per step (4 warps, 3 stages) vs 128:
+# docs/tuning/attention.md), us per call for 64 KV tokens per step (4 warps, 3 stages) vs 128:
 # B=1 ctx 32k (64 splits) 51.5 vs 47.7-48.0; B=16 ctx 4k (5 splits) 81.8 vs 83.0-83.3;
 # B=64 ctx 4k (unsplit) 325.5 vs 251.3-251.6 (= FlashInfer). 2 vs 3 stages at 128 tokens: within
 # 0.5%. 8 warps: 255 (B=64) to 110 (B=16), always slower.

@@ -395,12 +395,12 @@ def _rope_kv_cache_update_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Launch rules (no autotuning: a process start must not re-tune, see DESIGN.md habit 5)
+# Launch rules (no autotuning: it would re-run at every process start and delay the first request)
 # ----------------------------------------------------------------------------------------------
 
 # Tokens per program for the plain write, keyed by the number of rows N (first bound >= N wins).
 # Measured on an H200 (fuselane run 1, 2026-11-21; bench_kv_cache.py's kv_write_sweep: CUDA-graph
-# replay, median of 50 replays of 20 calls; Hkv=8, D=128, page 16, bf16; .notes/kv_cache.md):
+# replay, median of 50 replays of 20 calls; Hkv=8, D=128, page 16, bf16; docs/tuning/kv_cache.md):
 #   1 token      1 or 2 tokens/program at 2-8 warps: 1.38-1.57 us, the rule's setting 1.33 us and
 #                1.42 us in two sections of the same run (noise ~0.09 us) -> 1 token, 4 warps
 #   256 tokens   1-4 tokens/program 1.82-1.96 us; 8 or 16: 2.26-3.23 us -> 1

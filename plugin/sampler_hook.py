@@ -1,6 +1,6 @@
-"""The sampler hook: vLLM's sampling step runs fuselane's fused sampling kernel (issue 5).
+"""The sampler hook: vLLM's sampling step runs fuselane's fused sampling kernel.
 
-Seam (DESIGN.md "Hooking into vLLM"): `install()` (called by `register()` when
+Seam: `install()` (called by `register()` when
 FUSELANE_KERNELS has `sampling`) rebinds the module-global name `Sampler` of vLLM's two model
 runner modules to a fuselane subclass of vLLM's own class, only while the name is still vLLM's
 class: V1 (`vllm.v1.worker.gpu_model_runner`, the CPU runner inherits it) gets

@@ -302,6 +302,13 @@ def platform_name() -> str:
     return str(getattr(current_platform, "device_name", "unknown"))
 
 
+def platform_is_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform in this process."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def validate_backend(backend_cls: type, selector_config: Any) -> list[str]:
     """vLLM's own validity check of `backend_cls` for one layer's configuration.
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from fuselane.serving import bench_kernels, bench_serve
+from fuselane.serving import bench_serve
 from fuselane.serving.canary import cli as canary_cli
 from fuselane.serving.dashboards import cli as dashboards_cli
 
@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    bench_kernels.add_parser(bench_sub)
+    # `bench kernels` lives with the benchmarks (fuselane.benchmarks.kernels.cli), registered
+    # under the `fuselane.bench` entry point so this package does not import them.
+    for ep in metadata.entry_points(group="fuselane.bench"):
+        ep.load()(bench_sub)
     bench_serve.add_parser(bench_sub)
 
     canary_cli.add_parser(sub)

@@ -28,9 +28,9 @@ One JSON (device, versions, per-arm results, ratios to FLASH_ATTN, the compariso
 `OUT/e2e_results.json` and `benchmarks/results/e2e-<device>-<date>.json`; a table is printed last.
 
 How it runs on the device (no network there; torch 2.11 + triton 3.6 installed; vLLM 0.26 is
-staged in four parts, see ../shared/vllm-gpu/prepare.sh): the device gets the repository plus
-the `.vllm-gpu` parts, three calls put the vLLM parts (each call carries `.vllm-gpu/a` (then b,
-c), `.vllm-gpu/device.sh` and `.vllm-gpu/llama8b`):
+staged in four parts: a stripped vLLM wheel and the dependencies the machine lacks): the device
+gets the repository plus the `.vllm-gpu` parts; three calls put the vLLM parts (each call
+carries `.vllm-gpu/a` (then b, c), `.vllm-gpu/device.sh` and `.vllm-gpu/llama8b`):
 
     bash .vllm-gpu/device.sh put .vllm-gpu/a
     bash .vllm-gpu/device.sh put .vllm-gpu/b

@@ -10,7 +10,7 @@ Order of work, all in one process on one device:
      inputs over several shapes (decode with splits, speculative verify, prefill, mixed; GQA
      1..8 and 7, head sizes 64/80/96/128/256, pages 16/32/64, fp16/bf16, fp8 KV, window,
      soft cap, sinks): PASS/FAIL lines with the max error;
-  3. decode, prefill, mixed (the cases of issue 3 and ../shared/anchors): each case first
+  3. decode, prefill, mixed (the goal cases, as the peers' H200 anchors): each case first
      checks fuselane's output on the timed inputs against the reference (a case that fails is
      not timed for fuselane), then times fuselane and every peer on the same inputs by
      CUDA-graph replay (`harness.time_graph`; `time_eager` with a note if a peer cannot be
@@ -20,9 +20,9 @@ Order of work, all in one process on one device:
      kernel at other (block_m, block_n, warps, stages, grid order) than the launch rule picks,
      each checked against the reference before timing, and fuselane's outputs checked again
      after the graph replays (a race in the fused split merge would show there);
-  5. GOAL lines (issue 3's targets), then the table; JSON to --out and benchmarks/results/.
+  5. GOAL lines (the family's targets), then the table; JSON to --out and benchmarks/results/.
 
-Workload (Llama-3-8B attention, as ../shared/anchors): Hq=32, Hkv=8, D=128, page 16, bf16,
+Workload (Llama-3-8B attention, as the peers' H200 anchors): Hq=32, Hkv=8, D=128, page 16, bf16,
 scale 1/sqrt(D). One KV pool of ~4.3 GB ([pages, 2, page, Hkv, D], random data; K and V are
 its [:, 0] / [:, 1] views for fuselane and vLLM, the 5-D tensor itself for FlashInfer), pages
 handed out as a random permutation. Decode: every sequence at the same context length.
@@ -78,7 +78,7 @@ VLLM_SEGMENTS = 16
 # Check tolerances against the fp32 reference (the GPU rounds to nearest; see the tests' table)
 TOL = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (2.5e-2, 2.5e-2)}
 PREFILL_CHECK_ROWS = 256  # prefill cases check their first and last rows (the reference is O(S^2))
-# Goals of issue 3
+# Goals of the attention family
 GOAL_PCT_COPY = 90.0  # decode, B >= 16
 GOAL_B1_TBPS = 3.0  # decode B=1 ctx=32768 (H200)
 GOAL_OVER_SDPA = 1.1  # prefill TFLOP/s vs torch SDPA flash

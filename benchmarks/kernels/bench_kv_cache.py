@@ -24,9 +24,9 @@ Order of work, all in one process on one device (~2 minutes on an H200):
      (`[addr64]`) and with evict-first key/value loads (`[evict_first]`); kv_write_fp8_sweep
      times the fp8 write with the interpreter's exact rounding emulation (`[emulated]`) and
      with int64 addressing, to fill the tables in kernels/kv_cache.py;
-  6. GOAL lines (issue 2's targets), then the table; JSON to --out and benchmarks/results/.
+  6. GOAL lines (the family's targets), then the table; JSON to --out and benchmarks/results/.
 
-Workload (Llama-3-8B attention shapes, as ../shared/anchors): Hkv=8, D=128, page 16, bf16;
+Workload (Llama-3-8B attention shapes, as the peers' H200 anchors): Hkv=8, D=128, page 16, bf16;
 key/value are strided views of a fused QKV output (Hq=32); the cache is vLLM's TRITON_ATTN
 layout, K and V as `split` views of one [num_pages, page, Hkv, 2*D] tensor, the same tensors
 for every implementation. Up to 256 tokens are a decode batch (one token per request, random
@@ -73,7 +73,7 @@ DECODE_MAX_TOKENS = 256  # up to this many tokens: one token per request
 PREFILL_CHUNK = 2048
 DECODE_MAX_CONTEXT = 512
 K_SCALE, V_SCALE = 0.05, 0.04  # fp8 scales: randn / 0.05 stays well inside +-448
-# Goals of issue 2
+# Goals of the KV-cache family
 GOAL_PCT_COPY = 90.0
 GOAL_GAP_US = 0.3
 GOAL_GAP_MAX_TOKENS = 256

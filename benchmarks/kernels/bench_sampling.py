@@ -15,7 +15,7 @@ Order of work, in one process on one device:
      chi-square test at p < 1e-3, with and without top-k/top-p. Rows whose mismatch is a
      rounding tie (kernel: fp32 sums, approximate exp/log/div; reference: fp64 top-p masses,
      IEEE ops) are counted as "ambiguous", reported, and do not fail a check;
-  3. the cases of issue 4 (T=0.7, k=50, p=0.9; B=1/32 at V=128256, B=256 at V=151936; again
+  3. the goal cases (T=0.7, k=50, p=0.9; B=1/32 at V=128256, B=256 at V=151936; again
      with penalties + min-p): each is first checked on its own inputs (a failing case is not
      timed for fuselane), then fuselane and every peer are timed on the same inputs by
      CUDA-graph replay (`harness.time_graph`; eager with a note if capture fails);
@@ -68,7 +68,7 @@ CASES = [(1, 128256), (32, 128256), (256, 151936)]
 # The rounding timed: the one the sampler hook uses (kernels.sampling.ARITH_MODES), which is
 # also what every sampling result before 2026-11-26 measured.
 ARITH = "triton"
-GOALS_MS = {1: 0.03, 32: 0.05, 256: 0.15}  # issue 4, H100/H200
+GOALS_MS = {1: 0.03, 32: 0.05, 256: 0.15}  # goals, H100/H200
 PEN_RATIO_GOAL = 1.3
 MIN_P, REP, FREQ, PRES = 0.05, 1.1, 0.2, 0.3
 PROMPT_LEN, OUTPUT_LEN = 2000, 256

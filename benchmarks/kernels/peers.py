@@ -7,7 +7,7 @@ Peers are optional: whatever imports is timed, whatever does not is named in the
 - torch: SDPA, `index_copy_`, the sort-based sampling path vLLM falls back to.
 
 FlashInfer builds each kernel variant the first time it is used: about 20 s for a decode
-variant and 80 s for a Hopper prefill one on an H200 (.notes/gpu-run5-attn.log), several
+variant and 80 s for a Hopper prefill one on an H200 (docs/tuning/attention.md), several
 minutes for a whole grid, built one after another. `FlashInferWarmup` builds them instead in
 child processes (public API calls on tiny inputs, at lower CPU priority) while this process
 times everything else; FlashInfer's rows are timed once their module is on disk. The children

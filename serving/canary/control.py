@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from . import ray_compat
 from .app import INGRESS, arm_app_name, serve_apps
 from .config import CanaryConfig
 
@@ -31,14 +32,7 @@ def connect(address: str | None = "auto", **init_kwargs: Any) -> None:
 
 
 def _client(http: dict[str, Any] | None = None) -> Any:
-    # The calls `serve run CONFIG` makes (ray/serve/scripts.py); Serve has no public Python API
-    # for declarative deploys.
-    from ray.serve._private import api as serve_api
-    from ray.serve.context import _get_global_client
-
-    if http is None:
-        return _get_global_client()
-    return serve_api.serve_start(http_options=http)
+    return ray_compat.serve_client(http)
 
 
 def _declarative_apps(client: Any, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:

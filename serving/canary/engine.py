@@ -22,13 +22,14 @@ import logging
 import os
 from typing import Any
 
-from ray.llm._internal.common.callbacks.base import CallbackBase
-from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 from ray.serve.llm import LLMConfig, build_llm_deployment
 from ray.serve.llm.deployment import LLMServer
 
+from fuselane.plugin import vllm_compat
+
 from . import kernel_metrics as km
 from .config import looks_like_path
+from .ray_compat import CallbackBase, VLLMEngine
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,10 +52,8 @@ class FuselaneVLLMEngine(VLLMEngine):
 
     def _prepare_engine_config(self, callback_ctx: Any) -> Any:
         engine_args, frontend_args, vllm_config = super()._prepare_engine_config(callback_ctx)
-        from vllm.platforms import current_platform
-
         parallel = vllm_config.parallel_config
-        if current_platform.is_cpu() and parallel.world_size == 1:
+        if vllm_compat.platform_is_cpu() and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
             engine_args.distributed_executor_backend = "uni"
         return engine_args, frontend_args, vllm_config

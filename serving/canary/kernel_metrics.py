@@ -3,7 +3,7 @@
 The plugin's telemetry runs in vLLM's EngineCore process, a child of the Serve replica that
 Ray knows nothing about, and writes its `fuselane_*` metrics with `prometheus_client`. Each
 arm replica gives its engine a fresh `PROMETHEUS_MULTIPROC_DIR` before starting it (a reused
-directory double-counts: ../shared/DESIGN.md), so those metrics land in files that the replica
+directory double-counts: docs/notes/telemetry.md), so those metrics land in files that the replica
 reads here (`read_samples`) and mirrors into Ray's export (`RayMirror`), with an `arm` label.
 
 Mirroring: counters stay counters (Ray is given the increments); gauges, and every series of

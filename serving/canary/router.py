@@ -33,21 +33,6 @@ from typing import Any
 from fastapi import Request
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
-from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    ModelCard,
-    OpenAIHTTPException,
-)
-from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, router_request_timeout
-from ray.llm._internal.serve.core.ingress.utils import (
-    NON_STREAMING_RESPONSE_TYPES,
-    _openai_json_wrapper,
-    _sanitize_chat_completion_request,
-)
-from ray.llm._internal.serve.core.protocol import RawRequestInfo
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress
@@ -56,6 +41,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from . import shadow
 from .config import CanaryConfig
 from .metrics import IngressMetrics
+from .ray_compat import (
+    DEFAULT_ENDPOINTS,
+    DEFAULT_LLM_ROUTER_HTTP_TIMEOUT,
+    NON_STREAMING_RESPONSE_TYPES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    OpenAIHTTPException,
+    RawRequestInfo,
+    openai_json_wrapper,
+    router_request_timeout,
+    sanitize_chat_completion_request,
+)
 from .split import choose_arm, sticky_key
 
 logger = logging.getLogger("ray.serve")
@@ -171,7 +170,7 @@ class CanaryIngress(OpenAiIngress):
         async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
             await self._get_model_id(body.model)  # 404 for a model this app does not serve
             if isinstance(body, ChatCompletionRequest):
-                body = _sanitize_chat_completion_request(body)
+                body = sanitize_chat_completion_request(body)
             headers = raw_request.headers if raw_request is not None else {}
             info = RawRequestInfo.from_starlette_request(raw_request) if raw_request else None
             r = self.config.routing
@@ -201,7 +200,7 @@ class CanaryIngress(OpenAiIngress):
                 return JSONResponse(content=first_chunk.model_dump(), headers=out_headers)
             stream = self._track_stream(arm, first, gen, t0, failover)
             return StreamingResponse(
-                _openai_json_wrapper(stream), media_type="text/event-stream", headers=out_headers
+                openai_json_wrapper(stream), media_type="text/event-stream", headers=out_headers
             )
 
     # -- routing with failover ---------------------------------------------------------------

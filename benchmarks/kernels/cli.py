@@ -1,0 +1,246 @@
+"""`fuselane bench kernels`: every kernel family against its peers over real model shapes (GPU).
+
+The `fuselane` command finds this through the `fuselane.bench` entry point (`add_parser`), so
+the serving package never imports the benchmarks; `python -m fuselane.benchmarks.kernels.cli`
+runs it directly (a source checkout on PYTHONPATH, as on a GPU machine). The parser is built
+from the standard library and the grid (no torch): `fuselane --help` stays fast and works
+without a GPU stack. The run itself is benchmarks/kernels/suite.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fuselane.benchmarks.kernels.grid import FAMILIES, MODELS, SIZES
+
+PEERS = ("vllm", "flashinfer", "torch")
+DEFAULT_BUDGET_S = 330.0
+
+DESCRIPTION = f"""\
+Times every kernel family of fuselane against whichever peers import here, on shapes of real
+models, in one process on one GPU:
+  attention   decode, prefill and mixed batches (paged KV cache, page 16, bf16)
+  kv_cache    paged KV writes, bf16 and fp8 quantize-on-write, and fused RoPE + write
+  sampling    fused temperature / top-k / top-p sampling at the model's vocabulary
+Peers: vLLM's Triton kernels (unified attention, reshape_and_cache_flash), FlashInfer (paged
+decode/prefill, append_paged_kv_cache, top-k/top-p sampling), torch (SDPA, index_copy_, the
+sort-based sampler vLLM falls back to).
+
+Models, with query heads / KV heads / head size per GPU:
+  {", ".join(f"{n} ({m.num_q_heads}/{m.num_kv_heads}/{m.head_size})" for n, m in MODELS.items())}.
+Llama-3-70B is timed as one GPU of tensor parallel 8 sees it; Mistral-7B with its sliding
+window of 4096; Gemma-2-9B with head size 256 and logit soft cap 50.
+
+Every output is checked against the kernel's torch reference before it is timed; times are
+medians of CUDA-graph replays. Written to --out: kernels-<gpu>-<date>.json (device, versions,
+measured ceilings, every row: median us, TB/s or TFLOP/s, % of the ceiling, peer / fuselane),
+the same as a markdown report (.md) and, with matplotlib, one PNG per family: time against
+size with the roofline of the measured ceilings. The default grid is sized to fit the default
+--budget on an H200 (an estimate from the per-family runs: most of the time is compiling, and
+FlashInfer builds its kernels in background processes meanwhile).
+
+Peers on a machine without vLLM: put vLLM's Triton kernel files and FlashInfer on PYTHONPATH
+(see .peers/setup_device.sh in a checkout); a peer that does not import is listed, not fatal.
+Exit status: 0, or 1 if a fuselane kernel failed its check or could not run, 2 on usage."""
+
+EPILOG = """\
+examples:
+  fuselane bench kernels --out results/kernels
+  fuselane bench kernels --quick --family attention --model llama-3-8b --out /tmp/k
+  fuselane bench kernels --interpret-smoke --out /tmp/smoke   # no GPU: plumbing check only"""
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value:g}")
+    return value
+
+
+def _peers(text: str) -> frozenset[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"]:
+        return frozenset()
+    bad = [n for n in names if n not in PEERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown peer {bad[0] if bad else text!r}: give a comma list of "
+            f"{', '.join(PEERS)}, or none"
+        )
+    return frozenset(names)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `kernels` on the `fuselane bench` subparsers; the handler is `args.func`."""
+    p = subparsers.add_parser(
+        "kernels",
+        help="every kernel family against vLLM's, FlashInfer's and torch's kernels (GPU)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--family",
+        action="append",
+        choices=FAMILIES,
+        metavar="NAME",
+        help=f"only this kernel family (repeatable; one of {', '.join(FAMILIES)}; default: all)",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        choices=list(MODELS),
+        metavar="NAME",
+        help=f"only this model's shapes (repeatable; one of {', '.join(MODELS)}; default: all)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid: "
+        + ", ".join(f"{s} {len(v)}" for s, v in SIZES["quick"].items())
+        + " size(s) per model",
+    )
+    mode.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="no GPU needed: one tiny case per section under Triton's interpreter, torch peers "
+        "only, every output written. A plumbing check: the timings are meaningless",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-kernels"),
+        metavar="DIR",
+        help="output folder, created if missing (default: ./bench-kernels)",
+    )
+    p.add_argument(
+        "--peers",
+        type=_peers,
+        default=None,
+        metavar="LIST",
+        help=f"comma list of peers to time ({', '.join(PEERS)}) or none (default: all that "
+        "import; --interpret-smoke: torch)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_budget,
+        default=DEFAULT_BUDGET_S,
+        metavar="SECONDS",
+        help="time limit: no new case after 85%% of it (the rest is for FlashInfer rows whose "
+        "kernels were still compiling), what is left is listed as skipped "
+        f"(default {DEFAULT_BUDGET_S:g}; 0: no limit)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or case lines")
+    p.set_defaults(func=cmd_bench_kernels)
+    return p
+
+
+class Progress:
+    """Case progress: a tqdm bar when tqdm is installed and stderr is a terminal (row lines
+    print above it), else one plain `[i/n] case` line per case, which reads well in a log."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.total = 0
+        self.done = 0
+
+    def begin(self, total: int) -> None:
+        self.total = total
+        if not (self.enabled and sys.stderr.isatty()):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc="bench kernels", unit="case", file=sys.stderr)
+
+    def case(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            if self.done > 1:
+                self.bar.update(1)
+            self.bar.set_postfix_str(label[:60], refresh=True)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {label}", flush=True)
+
+    def log(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def end(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.done - self.bar.n)
+            self.bar.close()
+            self.bar = None
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    if args.interpret_smoke and args.model:
+        sys.stderr.write(
+            "fuselane bench kernels: error: --interpret-smoke runs its own tiny model (real "
+            "shapes are too slow for the interpreter): drop --model\n"
+        )
+        return 2
+    if args.interpret_smoke:
+        # must precede every Triton import: @triton.jit picks interpreter or compiler there
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not args.interpret_smoke and not torch.cuda.is_available():
+        sys.stderr.write(
+            "fuselane bench kernels: error: no CUDA GPU is visible to torch "
+            f"({torch.__version__}, CUDA build {torch.version.cuda or 'none'}). The benchmark "
+            "times kernels on a GPU; on this machine, --interpret-smoke runs the whole pipeline "
+            "under Triton's interpreter as a plumbing check (timings meaningless).\n"
+        )
+        return 2
+    from fuselane.benchmarks.kernels import suite
+
+    grid = "smoke" if args.interpret_smoke else "quick" if args.quick else "full"
+    peers = args.peers
+    if peers is None:
+        peers = frozenset({"torch"}) if args.interpret_smoke else frozenset(PEERS)
+    opts = suite.Options(
+        out=args.out,
+        families=tuple(args.family or FAMILIES),
+        models=tuple(args.model or ()),
+        grid=grid,
+        peers=peers,
+        budget_s=args.budget or None,
+        seed=args.seed,
+    )
+    outcome = suite.run(opts, Progress(enabled=not args.no_progress))
+    print()
+    print(outcome.markdown)
+    print(f"wrote {', '.join(str(p) for p in outcome.paths.values())}")
+    print(f"total {outcome.elapsed_s:.0f} s")
+    if outcome.skipped:
+        print(f"{len(outcome.skipped)} skipped (listed in the report)")
+    if outcome.failures:
+        print("fuselane failures:\n  " + "\n  ".join(outcome.failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fuselane.benchmarks.kernels.cli ARGS`: the same as `fuselane bench kernels`."""
+    parser = argparse.ArgumentParser(prog="fuselane bench")
+    add_parser(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(["kernels", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
