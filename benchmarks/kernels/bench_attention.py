@@ -1,4 +1,4 @@
-"""GPU benchmark of the paged-attention family (kernels/attention.py) against its peers.
+"""GPU benchmark of the paged-attention family (kernels/attention/) against its peers.
 
 On the GPU machine, from the project root:
     source .peers/setup_device.sh
@@ -88,9 +88,10 @@ BUDGET_S = 270.0  # sweeps are skipped past this many seconds (a run must stay u
 
 # Sweeps (after every goal case). Decode: changes to the Triton kernel's plan, or with
 # warp_specialized=True to the Hopper kernel's (bench_decode_sweep). The Triton rule
-# (kernels/attention.py, DECODE_STAGES_PIPELINED): 3 stages, two programs per SM, kv-head-fastest
-# grid, unless 5 stages with one program per SM fill the unsplit batch's waves clearly better;
-# on Hopper, B <= SMs / (4 x Hkv) takes the warp-specialized kernel (DECODE_WS_TILE).
+# (kernels/attention/plan.py, DECODE_STAGES_PIPELINED): 3 stages, two programs per SM,
+# kv-head-fastest grid, unless 5 stages with one program per SM fill the unsplit batch's waves
+# clearly better; on Hopper, B <= SMs / (4 x Hkv) takes the warp-specialized kernel
+# (DECODE_WS_TILE).
 DECODE_SWEEP_LARGE_B = [
     dict(head_fast=False),  # run 5's default
     dict(num_stages=5),
@@ -502,7 +503,7 @@ def fuselane_fn(run: Runner, p: Problem, out: torch.Tensor, plan=None) -> Callab
     a = args
 
     def fn():  # a sweep point: the same launch code with another config
-        attn._run(
+        attn.run._run(
             a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
             a["block_table"], a["max_query_len"], a["scale"], 0, 0.0, None, a["k_scale"],
             a["v_scale"], run.workspace, plan=plan,

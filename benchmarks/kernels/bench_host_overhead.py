@@ -157,7 +157,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
         a["block_table"], a["max_query_len"], a["min_query_len"], a["max_seq_len"], a["scale"],
         None, 0.0, None, None, None,
     )  # fmt: skip
-    add_part(case, "fuselane:checks", lambda: attn._check_args(*check_args))
+    add_part(case, "fuselane:checks", lambda: attn.checks._check_args(*check_args))
     plan_args = dict(
         num_seqs=len(p.lens), num_q_heads=ba.HQ, num_kv_heads=ba.HKV, head_size=ba.D,
         max_query_len=max(p.q_lens), sms=attn.sm_count(p.q.device), workspace=workspace,

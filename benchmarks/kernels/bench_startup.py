@@ -29,16 +29,20 @@ if __package__ in (None, "") and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 try:
     from fuselane.benchmarks import harness
-    from fuselane.kernels import _launch, attention_decode, attention_prefill
+    from fuselane.kernels import _launch
     from fuselane.kernels import attention as attn
     from fuselane.kernels import kv_cache as kvk
     from fuselane.kernels import sampling as smp
+    from fuselane.kernels.attention import decode as attention_decode
+    from fuselane.kernels.attention import prefill as attention_prefill
 except ImportError:
     from benchmarks import harness
-    from kernels import _launch, attention_decode, attention_prefill
+    from kernels import _launch
     from kernels import attention as attn
     from kernels import kv_cache as kvk
     from kernels import sampling as smp
+    from kernels.attention import decode as attention_decode
+    from kernels.attention import prefill as attention_prefill
 
 HQ, HKV, D, PAGE, VOCAB, MAX_SEQS = 32, 8, 128, 16, 128256, 256
 WORKERS = 8

@@ -1,4 +1,4 @@
-"""kernels/attention.py: paged attention against its fp32 torch reference.
+"""kernels/attention/: paged attention against its fp32 torch reference.
 
 Runs under Triton's interpreter on the CPU, and on the GPU as it is (`tests.device.DEVICE`):
 inputs are drawn on the CPU from seeded generators and moved to DEVICE, so both see the same
@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from fuselane.kernels import _launch, attention_decode, attention_prefill
+from fuselane.kernels import _launch
 from fuselane.kernels import attention as attn
 from fuselane.kernels._checks import FP8_E4M3
 from fuselane.kernels.attention import (
@@ -30,6 +30,8 @@ from fuselane.kernels.attention import (
     paged_attention,
     paged_attention_reference,
 )
+from fuselane.kernels.attention import decode as attention_decode
+from fuselane.kernels.attention import prefill as attention_prefill
 from tests.allclose import assert_close
 from tests.device import DEVICE
 
@@ -146,7 +148,7 @@ def nan_out(q: torch.Tensor) -> torch.Tensor:
 def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tensor:
     """Kernel vs reference on `batch`; returns the kernel's output.
 
-    plan: a `LaunchPlan` to launch instead of the rule's (through `attention._run`, as the
+    plan: a `LaunchPlan` to launch instead of the rule's (through `attention.run._run`, as the
     benchmark's sweeps do). With a workspace, its split counters must be back at zero after.
     """
     batch = dict(batch)
@@ -159,7 +161,7 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
         result = paged_attention(out=out, **batch, workspace=workspace, **options)
         assert result is out
     else:
-        attn._run(
+        attn.run._run(
             q, batch["key_cache"], batch["value_cache"], out, batch["cu_seqlens_q"],
             batch["seq_lens"], batch["block_table"], batch["max_query_len"], batch["scale"],
             options.get("sliding_window") or 0, options.get("softcap", 0.0),
@@ -519,13 +521,13 @@ def test_decode_launch_kept_while_a_cuda_graph_is_captured(monkeypatch):
     on_gpu = dataclasses.make_dataclass("T", ["device"])(torch.device("cuda", 0))
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert attn._skips_decode(plan, 17, on_gpu)
+    assert attn.run._skips_decode(plan, 17, on_gpu)
     capturing[0] = True
-    assert not attn._skips_decode(plan, 17, on_gpu)
-    assert not attn._skips_decode(plan, plan.prefill.min_q, torch.empty(1))
+    assert not attn.run._skips_decode(plan, 17, on_gpu)
+    assert not attn.run._skips_decode(plan, plan.prefill.min_q, torch.empty(1))
     decode_only = attn.plan_launch(num_seqs=2, num_q_heads=4, num_kv_heads=2, head_size=64,
                                    max_query_len=1, sms=132, workspace=None)  # fmt: skip
-    assert not attn._skips_decode(decode_only, 1, torch.empty(1))
+    assert not attn.run._skips_decode(decode_only, 1, torch.empty(1))
 
 
 def test_split_rule_follows_batch_size():
@@ -565,9 +567,9 @@ def test_tile_rules():
     128; 105216 at tile 64, 7 stages) and the programs per SM that follow. Prefill: 256x64
     tiles, 16 warps, 7 stages for D in (64, 128] (the measured H200 winner, 2026-11-26), 128x64
     at 64."""
-    assert attn._decode_tile(1, 4, 128) == (16, 128, 4, 3)
-    assert attn._decode_tile(8, 16, 128) == (128, 128, 8, 3)
-    assert attn._decode_tile(1, 4, 256)[1] == 64
+    assert attn.plan._decode_tile(1, 4, 128) == (16, 128, 4, 3)
+    assert attn.plan._decode_tile(8, 16, 128) == (128, 128, 8, 3)
+    assert attn.plan._decode_tile(1, 4, 256)[1] == 64
     assert [attn.kv_buffers(s) for s in (2, 3, 4, 5, 6, 7)] == [1, 1, 1, 2, 2, 3]
     smem = [attn.decode_smem_bytes(16, 128, 128, s, 2) for s in (3, 5, 7)]
     assert smem == [74240, 140288, 206336]
@@ -576,14 +578,14 @@ def test_tile_rules():
     assert [per_sm(16, 128, 128, 4, s, 2) for s in (3, 5, 7)] == [2, 1, 1]
     assert per_sm(16, 64, 128, 4, 7, 2) == 2
     assert per_sm(128, 128, 128, 8, 3, 2) == 1
-    assert attn._decode_tile(1, 4, 128, attn.DECODE_STAGES_PIPELINED)[3] == 5
-    assert attn._prefill_tile(4, 64) == (128, 64, 4, 3)
+    assert attn.plan._decode_tile(1, 4, 128, attn.DECODE_STAGES_PIPELINED)[3] == 5
+    assert attn.plan._prefill_tile(4, 64) == (128, 64, 4, 3)
     for d in (80, 96, 128):
-        assert attn._prefill_tile(4, d) == (256, 64, 16, 7)
-    assert attn._prefill_tile(4, 256) == (64, 64, 8, 2)
+        assert attn.plan._prefill_tile(4, d) == (256, 64, 16, 7)
+    assert attn.plan._prefill_tile(4, 256) == (64, 64, 8, 2)
     # Launches that would not fill the GPU twice with 256-row tiles take 128-row ones.
-    assert attn._prefill_tile(4, 128, programs=263, sms=132) == (128, 64, 4, 3)
-    assert attn._prefill_tile(4, 128, programs=264, sms=132) == (256, 64, 16, 7)
+    assert attn.plan._prefill_tile(4, 128, programs=263, sms=132) == (128, 64, 4, 3)
+    assert attn.plan._prefill_tile(4, 128, programs=264, sms=132) == (256, 64, 16, 7)
     plan = attn.plan_launch(num_seqs=1, num_q_heads=32, num_kv_heads=8, head_size=128,
                             max_query_len=512, sms=132, workspace=None)  # fmt: skip
     assert plan.prefill.block_m == 128
@@ -591,14 +593,19 @@ def test_tile_rules():
     # stage fallbacks of devices with less per block: A100 (163 KiB), sm_89 (99 KiB).
     assert attn.prefill_smem_bytes(256, 64, 128, 5, 2) == 164352
     assert attn.prefill_smem_bytes(256, 64, 128, 7, 2) <= attn.SMEM_PER_BLOCK_MAX
-    assert attn._prefill_tile(4, 128, 264, 132, max_smem=163 * 1024) == (256, 64, 16, 5)
-    assert attn._prefill_tile(4, 128, 264, 132, max_smem=99 * 1024) == (128, 64, 4, 3)
-    assert attn._prefill_tile(4, 128, 264, 132, max_smem=99 * 1024, kv_bytes=1) == (128, 64, 4, 3)
+    assert attn.plan._prefill_tile(4, 128, 264, 132, max_smem=163 * 1024) == (256, 64, 16, 5)
+    assert attn.plan._prefill_tile(4, 128, 264, 132, max_smem=99 * 1024) == (128, 64, 4, 3)
+    assert attn.plan._prefill_tile(4, 128, 264, 132, max_smem=99 * 1024, kv_bytes=1) == (
+        128,
+        64,
+        4,
+        3,
+    )
     small_gpu = attn.plan_launch(num_seqs=4, num_q_heads=32, num_kv_heads=8, head_size=128,
                                  max_query_len=8192, sms=108, workspace=None,
                                  max_smem=163 * 1024)  # fmt: skip
     assert (small_gpu.prefill.num_warps, small_gpu.prefill.num_stages) == (16, 5)
-    assert attn._prefill_tile(256, 128)[0] == 256  # a whole GQA group per tile
+    assert attn.plan._prefill_tile(256, 128)[0] == 256  # a whole GQA group per tile
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -1,5 +1,5 @@
-"""Hopper's warp-specialized attention kernels (`kernels/attention_prefill_ws.py`,
-`kernels/attention_decode_ws.py`) against the fp32 reference. Gluon kernels do not run under
+"""Hopper's warp-specialized attention kernels (`kernels/attention/prefill_ws.py`,
+`kernels/attention/decode_ws.py`) against the fp32 reference. Gluon kernels do not run under
 Triton's interpreter: the kernel cases need an sm_90 GPU (they run in the GPU sessions:
 `pytest tests/kernels/test_attention_ws.py`); the planning and refusal cases run everywhere."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fuselane.kernels import attention as attn
-from fuselane.kernels import attention_prefill_ws as prefill_ws
+from fuselane.kernels.attention import prefill_ws
 from tests.device import DEVICE
 from tests.kernels.test_attention import make_batch, nan_out, plan_for, run_case, workspace
 
@@ -59,7 +59,7 @@ def assert_repeats_agree(batch: dict, ws, plan: attn.LaunchPlan, times: int = 20
     b = batch
     for _ in range(times):
         out = nan_out(b["q"])
-        attn._run(
+        attn.run._run(
             b["q"], b["key_cache"], b["value_cache"], out, b["cu_seqlens_q"], b["seq_lens"],
             b["block_table"], b["max_query_len"], b["scale"], 0, 0.0, None, None, None, ws,
             plan=plan,
@@ -185,7 +185,7 @@ def test_cpu_calls_never_plan_the_ws_kernel(monkeypatch):
         seen.append(kw["warp_specialized"])
         return real(**kw)
 
-    monkeypatch.setattr(attn, "plan_launch", spy)
+    monkeypatch.setattr(attn.run, "plan_launch", spy)
     case = WS_CASES[4]
     batch = ws_batch(case)
     run_case(batch, workspace=workspace(case[0], case[2]))
@@ -296,9 +296,9 @@ def test_rule_takes_the_ws_decode_kernel_for_small_decode_batches():
 def test_without_gluon_the_triton_kernels_run(monkeypatch):
     """A Triton without Gluon's Hopper API (the import failed): nothing plans the
     warp-specialized kernels, and a plan that names one is refused with the reason."""
-    monkeypatch.setattr(attn, "prefill_ws", None)
-    monkeypatch.setattr(attn, "decode_ws", None)
-    monkeypatch.setattr(attn, "_hopper_off", "triton 3.x has no Gluon Hopper API")
+    monkeypatch.setattr(attn.hopper, "prefill_ws", None)
+    monkeypatch.setattr(attn.hopper, "decode_ws", None)
+    monkeypatch.setattr(attn.hopper, "_hopper_off", "triton 3.x has no Gluon Hopper API")
     case = WS_CASES[4]
     batch = ws_batch(case)
     args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
@@ -314,7 +314,7 @@ def test_launchers_bind_every_kernel_argument(monkeypatch, which):
     """The launchers' argument lists against the kernels' signatures (runs on the CPU, where the
     kernels themselves cannot): every parameter bound once, strides and shapes where they
     belong."""
-    from fuselane.kernels import attention_decode_ws as decode_ws
+    from fuselane.kernels.attention import decode_ws
 
     module = prefill_ws if which == "prefill" else decode_ws
     calls = []
@@ -359,14 +359,16 @@ def test_a_hopper_kernel_failing_at_warm_up_is_switched_off(monkeypatch, strict)
     launched = []
 
     def run(*args, plan, **kwargs):
-        if attn._uses_hopper_kernels(plan):
+        if attn.run._uses_hopper_kernels(plan):
             raise AttributeError("module 'gluon.language' has no attribute 'thread_barrier'")
         launched.append(plan)
 
-    monkeypatch.setattr(attn, "_run", run)
-    monkeypatch.setattr(attn, "warp_specialized_ok", lambda *a, **k: attn._hopper_off is None)
-    monkeypatch.setattr(attn, "_hopper_off", None)
-    monkeypatch.setattr(attn, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attn.run, "_run", run)
+    monkeypatch.setattr(
+        attn.run, "warp_specialized_ok", lambda *a, **k: attn.hopper_kernels_off() is None
+    )
+    monkeypatch.setattr(attn.hopper, "_hopper_off", None)
+    monkeypatch.setattr(attn.run, "sm_count", lambda device: 132)
     batch = ws_batch(WS_CASES[0])
     ws = workspace(WS_CASES[0][0], WS_CASES[0][2])
     args = (batch["key_cache"], batch["value_cache"], batch["block_table"][:1])
@@ -379,9 +381,9 @@ def test_a_hopper_kernel_failing_at_warm_up_is_switched_off(monkeypatch, strict)
     n = attn.warm_up(*args, **kw)
     assert "AttributeError at start-up" in attn.hopper_kernels_off()
     assert n == len(launched) > 0
-    assert not any(attn._uses_hopper_kernels(p) for p in launched)
+    assert not any(attn.run._uses_hopper_kernels(p) for p in launched)
     full = attn.reachable_plans(
         num_q_heads=kw["num_q_heads"], num_kv_heads=batch["key_cache"].shape[2],
         head_size=batch["q"].shape[2], sms=132, workspace=ws, warp_specialized=True,
     )  # fmt: skip
-    assert any(attn._uses_hopper_kernels(p) for p in full)  # the rule would have taken them
+    assert any(attn.run._uses_hopper_kernels(p) for p in full)  # the rule would have taken them

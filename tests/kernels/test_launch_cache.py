@@ -61,7 +61,7 @@ def test_attention_layers_replay_with_their_own_tensors(monkeypatch, kv_dtype, q
     """Three layers of one mixed step (decode with split KV, prefill): the second and third
     replay the first one's launches and each matches the reference on its own data."""
     cache = LaunchCache()
-    monkeypatch.setattr(attn, "LAUNCHES", cache)
+    monkeypatch.setattr(attn.ops, "LAUNCHES", cache)
     batch = make_batch([1, 5, 20], [100, 40, 60], num_q_heads=6, num_kv_heads=2, head_size=64,
                        block_size=16, q_dtype=q_dtype, kv_dtype=kv_dtype, seed=41)  # fmt: skip
     num_rows = batch.pop("num_rows")
@@ -82,7 +82,7 @@ def test_attention_layers_replay_with_their_own_tensors(monkeypatch, kv_dtype, q
 
 def test_attention_options_or_metadata_change_means_a_new_recording(monkeypatch):
     cache = LaunchCache()
-    monkeypatch.setattr(attn, "LAUNCHES", cache)
+    monkeypatch.setattr(attn.ops, "LAUNCHES", cache)
     batch = make_batch([1, 1], [30, 17], num_q_heads=4, num_kv_heads=2, head_size=64,
                        block_size=16, seed=42)  # fmt: skip
     num_rows = batch.pop("num_rows")

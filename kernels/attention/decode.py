@@ -22,7 +22,7 @@ its sequence's lengths on the device and derives its own KV range from them; a s
 range is empty still writes a neutral partial (m = -1e30, l = 0, acc = 0) and counts itself.
 
 The entry point, the argument checks and the torch reference are in `attention.py`; the
-prefill kernel is in `attention_prefill.py`.
+prefill kernel is in `prefill.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from .._launch import launch, next_pow2
 
 # log2(e): logits are kept in base-2 units so the softmax uses exp2 (one MUFU op).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -601,7 +601,7 @@ def launch_decode(
     """Launch the decode kernel (and, with splits and fused_reduce=False, the split reduction).
 
     Arguments are already validated by `attention.paged_attention`; the config comes from
-    `attention.plan_launch` and depends only on shapes. `part_o` / `part_ml` are flat fp32
+    `plan.plan_launch` and depends only on shapes. `part_o` / `part_ml` are flat fp32
     workspace views large enough for `num_seqs * qpos * Hq * num_splits` partial rows,
     `counters` an int32 workspace of at least `num_seqs * Hkv` zeros (left at zero).
     """

@@ -10,7 +10,7 @@ cu_seqlens_q[s] // BLOCK_Q + s), so a mixed batch needs no host-side plan and no
 
 Causal work is bounded, not masked: the key loop of a q block stops at its last query token,
 and only the tiles that cross the diagonal (or the sliding window's left edge) build a mask;
-the tiles in between run mask-free (`attention_decode._attend_range`, shared with the decode
+the tiles in between run mask-free (`decode._attend_range`, shared with the decode
 kernel). Within a sequence the programs take the q blocks from the last (heaviest) to the first
 so that the lightest blocks fill the tail of the launch; with `HEAD_FAST` the kv head is the
 fast grid axis, so every head's heaviest blocks go first (the default keeps one head's blocks
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
-from .attention_decode import LOG2E, NEG_BIG, _attend_range, layout_strides
+from .._launch import launch, next_pow2
+from .decode import LOG2E, NEG_BIG, _attend_range, layout_strides
 
 # Largest grid extent on CUDA's second axis.
 MAX_GRID_YZ = 65535
@@ -191,7 +191,7 @@ def launch_prefill(
     upcast_dot: bool,
 ) -> None:
     """Launch the prefill kernel over every q block of the batch (validated arguments; the
-    config comes from `attention.plan_launch` and depends only on shapes)."""
+    config comes from `plan.plan_launch` and depends only on shapes)."""
     num_seqs = seq_lens.shape[0]
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]

@@ -1,20 +1,20 @@
 """Paged attention, decode side on Hopper: a warp-specialized split-KV kernel (Gluon).
 
 For decode batches too small to fill the GPU (one to a few sequences with long contexts), time
-goes to memory latency, not bandwidth: in `attention_decode._decode_kernel` every warp both
+goes to memory latency, not bandwidth: in `decode._decode_kernel` every warp both
 gathers a K/V tile and computes on it, so a program has at most one tile in flight and the
 block-table read that addresses the next tile waits behind the current one. Here a loader
 warpgroup gathers the tiles of the program's split through the block table with cp.async into a
 ring of `NUM_BUF` shared-memory slots, up to `NUM_BUF` tiles ahead of a compute warpgroup that
 runs QK^T and PV on wgmma (the `GROUP` query heads of the kv head padded to 64 rows) with an
-fp32 online softmax, as `attention_prefill_ws` does for prefill tiles.
+fp32 online softmax, as `prefill_ws` does for prefill tiles.
 
 Same semantics and workspace as the Triton decode kernel for decode rows (query_len 1): one
 program per (sequence, kv head, split), each split a contiguous range of tiles; with several
 splits each program writes its partial (acc, m, l) and the last of a (sequence, kv head) to
-finish merges them (`attention_decode._merge_partials`'s arithmetic, atomic counter left at
-zero: CUDA-graph safe). Supported configurations: `attention_prefill_ws.supports` and at most 64
-query heads per kv head; `attention.plan_launch` says when it runs.
+finish merges them (`decode._merge_partials`'s arithmetic, atomic counter left at
+zero: CUDA-graph safe). Supported configurations: `prefill_ws.supports` and at most 64
+query heads per kv head; `plan.plan_launch` says when it runs.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
 )
 
-from ._launch import launch, next_pow2
-from ._triton_compat import async_load, cta_barrier
-from .attention_decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
-from .attention_prefill_ws import (
+from .._launch import launch, next_pow2
+from .._triton_compat import async_load, cta_barrier
+from .decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
+from .prefill_ws import (
     LOAD_WARPS,
     _allocate_ring,
     _attend_slot,
@@ -314,9 +314,9 @@ def launch_decode_ws(
     head_fast: bool,
 ) -> None:
     """Launch the warp-specialized decode kernel (a decode-only batch, query_len <= 1; validated
-    arguments; `attention_prefill_ws.supports` said yes; config from `attention.plan_launch`).
+    arguments; `prefill_ws.supports` said yes; config from `plan.plan_launch`).
     `part_o` / `part_ml` / `counters`: the split workspace (`num_splits` > 1), as
-    `attention_decode.launch_decode` takes it."""
+    `decode.launch_decode` takes it."""
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]

@@ -1,6 +1,6 @@
 """Paged attention, prefill side on Hopper: a warp-specialized kernel (Gluon).
 
-The same computation as `attention_prefill._prefill_kernel` (one program per (q block, kv
+The same computation as `prefill._prefill_kernel` (one program per (q block, kv
 head), GQA rows packed as position x head, heaviest block first, causal tiles bounded, only the
 diagonal tiles masked), split over two kinds of warps that never wait for each other except
 through shared-memory barriers:
@@ -18,7 +18,7 @@ warpgroup moves on as soon as its own tensor-core work allows, so one warpgroup'
 overlaps another's matrix products.
 
 Supported: fp16/bf16 queries with a cache of the same dtype, head sizes 64 and 128, no sliding
-window, soft cap or sinks, on sm_90 (`supports`); `attention.plan_launch` uses the Triton
+window, soft cap or sinks, on sm_90 (`supports`); `plan.plan_launch` uses the Triton
 kernel for everything else. Gluon kernels do not run under the Triton interpreter, so the CPU
 tests check the launch plan only; the GPU checks (`tests/gpu/`, `bench_attention`) compare this
 kernel with the fp32 reference.
@@ -39,10 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._launch import launch
-from ._triton_compat import async_load
-from .attention_decode import LOG2E, NEG_BIG, layout_strides
-from .attention_prefill import prefill_grid
+from .._launch import launch
+from .._triton_compat import async_load
+from .decode import LOG2E, NEG_BIG, layout_strides
+from .prefill import prefill_grid
 
 # Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each)
 # and their register budget; the compute warps get the rest of the register file.
@@ -79,7 +79,7 @@ def supports(
     has_sinks: bool,
 ) -> bool:
     """Whether Hopper's warp-specialized kernels (this prefill kernel and
-    `attention_decode_ws`'s) can run a call with these tensors and options."""
+    `decode_ws`'s) can run a call with these tensors and options."""
     if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
         return False
     return (
@@ -406,7 +406,7 @@ def launch_prefill_ws(
     num_buf: int,
 ) -> None:
     """Launch the warp-specialized prefill kernel over every q block of the batch (validated
-    arguments; `supports` said yes; the config comes from `attention.plan_launch`)."""
+    arguments; `supports` said yes; the config comes from `plan.plan_launch`)."""
     num_seqs = seq_lens.shape[0]
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]

@@ -1,0 +1,584 @@
+"""The launch plan of a paged-attention call: which kernels, tiles, stages and split counts.
+
+`plan_launch` decides from shapes only (batch size, heads, head size, longest query), so a CUDA
+graph captured for one batch shape stays valid for any sequence lengths replayed into it.
+Every constant of the rule says in a comment what it is for and which results file measured
+it; the measurements themselves are in docs/tuning/attention.md. No autotuning: it would re-run
+at every process start and delay the first request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import FP8_E4M3, check_choice
+from .._launch import cdiv, next_pow2
+
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
+
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
+# fp32 is for exactness checks and the CPU engine (vLLM's fp32 runs give token-identical greedy
+# output to transformers); on a GPU it takes the slow ieee fp32 dot path, not tensor cores.
+SUPPORTED_Q_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    FP8_E4M3,
+)
+# Query heads per kv head: the decode tile packs a whole group into at most 128 rows.
+MAX_GQA_GROUP = 128
+# Longest query the decode kernel takes in a mixed batch (vLLM's MAX_3D_QUERY_LEN: decode rows
+# and speculative-verify rows of 1 + num_speculative_tokens).
+DECODE_MAX_QUERY_LEN = 8
+# Rows of a decode tile (query positions x group heads) are capped so its fp32 accumulator
+# stays in registers.
+DECODE_MAX_ROWS = 128
+DEFAULT_MAX_SPLITS = 64
+# Split-KV rule (shapes only; see _num_splits). A batch of at least NO_SPLIT_CTAS_PER_SM * SMs
+# (sequence, kv head) programs never splits (plugin/backend.py sizes its workspace from this).
+# Below that, the split count minimizes waves(s) * (1 / s + PROGRAM_OVERHEAD): waves of equal
+# programs over the SMs' program slots, each program 1 / s of a (sequence, kv head)'s KV plus a
+# fixed start-up cost. PROGRAM_OVERHEAD: a few us per program (launch, q and block-table loads,
+# the first tile's latency, write-out; run 2's B=1 points imply 3-6 us) over ~260 us (one kv
+# head of an 8k context at two programs per SM sharing the ~33 GB/s per SM of the tile-128
+# kernel at B=64; H200, run 2, 2026-11-21).
+NO_SPLIT_CTAS_PER_SM = 2
+PROGRAM_OVERHEAD = 0.02
+# SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
+CPU_SM_COUNT = 132
+# Largest grid extent on CUDA's second and third axes.
+MAX_GRID_YZ = 65535
+
+
+def supported_head_sizes() -> tuple[int, ...]:
+    """Head sizes the kernels compile for (non-powers of two run in padded tiles)."""
+    return SUPPORTED_HEAD_SIZES
+
+
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """Split-KV scratch, allocated once per engine and reused by every layer and step.
+
+    partial_out: [max_num_tokens * num_q_heads * max_splits * head_pad] fp32
+    partial_ml:  [max_num_tokens * num_q_heads * max_splits * 2] fp32 (running max, sum)
+    counters:    [max_num_tokens * num_q_heads] int32, zero between launches: the fused merge
+                 counts the finished splits of each (sequence, kv head) and resets its count
+
+    A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
+    positions, 1 for plain decode); when that does not fit, the call runs with fewer splits. The
+    fit depends on shapes only, so CUDA graphs stay valid.
+    """
+
+    partial_out: torch.Tensor
+    partial_ml: torch.Tensor
+    counters: torch.Tensor
+    max_num_tokens: int
+    num_q_heads: int
+    head_size: int
+    max_splits: int
+
+    @classmethod
+    def allocate(
+        cls,
+        max_num_tokens: int,
+        num_q_heads: int,
+        head_size: int,
+        device: torch.device,
+        max_splits: int = DEFAULT_MAX_SPLITS,
+    ) -> AttentionWorkspace:
+        """Allocate room for `max_num_tokens` split query rows of `num_q_heads` heads.
+
+        max_num_tokens: the most (sequences x query rows) a split launch should cover, e.g.
+        the largest decode batch that still leaves the GPU idle (4 * SMs / Hkv sequences) times
+        1 + num_speculative_tokens. Memory: max_num_tokens * num_q_heads * max_splits *
+        (next_pow2(head_size) + 2) * 4 bytes, plus max_num_tokens * num_q_heads * 4 bytes of
+        counters.
+        """
+        for name, value in (
+            ("max_num_tokens", max_num_tokens),
+            ("num_q_heads", num_q_heads),
+            ("max_splits", max_splits),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
+        rows = max_num_tokens * num_q_heads * max_splits
+        head_pad = next_pow2(head_size)
+        return cls(
+            partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
+            partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
+            counters=torch.zeros(max_num_tokens * num_q_heads, dtype=torch.int32, device=device),
+            max_num_tokens=max_num_tokens,
+            num_q_heads=num_q_heads,
+            head_size=head_size,
+            max_splits=max_splits,
+        )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    qpos: int  # query positions per decode tile
+    block_m: int  # rows of the tile: next_pow2(max(16, qpos * group))
+    tile_n: int  # KV tokens per loop step
+    num_splits: int
+    max_q: int  # sequences with a longer query are the prefill kernel's (0: none)
+    num_warps: int
+    num_stages: int
+    fused_reduce: bool = True  # splits merged by the last split program (False: a 2nd launch)
+    head_fast: bool = False  # grid order: kv head fastest (programs of one sequence together)
+    # Hopper's warp-specialized kernel (decode_ws), decode-only batches: num_stages
+    # is its ring of K/V slots; block_m, num_warps and max_q are the Triton kernel's only.
+    warp_specialized: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # rows of the Q tile (block_m // group query positions)
+    block_n: int  # KV tokens per loop step
+    min_q: int  # sequences with query_len <= min_q are the decode kernel's
+    num_warps: int
+    num_stages: int
+    head_fast: bool = False  # grid order: kv head fastest (every head's heaviest blocks first)
+    # Hopper's warp-specialized kernel (prefill_ws): num_stages is its ring of K/V
+    # slots, num_warps its compute warps' count per warpgroup launch (loader warps added).
+    warp_specialized: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    decode: DecodeConfig
+    prefill: PrefillConfig | None
+
+
+@functools.cache
+def _cuda_limits(index: int) -> tuple[int, int]:
+    """(streaming multiprocessors, shared memory one block may use in bytes) of CUDA device
+    `index`."""
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", SMEM_PER_BLOCK_MAX)
+    return props.multi_processor_count, int(smem)
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """`_cuda_limits` of `device` (read once per device); an H100 / H200's off-GPU."""
+    if device.type != "cuda":
+        return CPU_SM_COUNT, SMEM_PER_BLOCK_MAX
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_limits(index)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; CPU_SM_COUNT off-GPU."""
+    return _device_limits(device)[0]
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (bytes); Hopper's opt-in limit off-GPU."""
+    return _device_limits(device)[1]
+
+
+# Decode: 128 KV tokens per step, 4 warps; two schedules chosen by wave fill: 3 stages with two
+# programs per SM (kv-head-fastest grid), or 5 stages with one program per SM and a K/V tile
+# always in flight (seq-major grid), the latter only when it needs no split and fills the waves
+# clearly better. Measured on an H200 (runs 2, 5-7; docs/tuning/attention.md).
+DECODE_TILE_BYTES = 128 * 128 * 2  # one stage of K (or V): 128 tokens x 128 dims x bf16
+DECODE_MAX_TILE_N = 128  # the largest measured; D=64 stays at 128 tokens (32 KiB per stage)
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+DECODE_STAGES_PIPELINED = 5
+WAVE_FILL_MARGIN = 0.1
+
+
+def wave_fill(programs: int, slots: int) -> float:
+    """Busy fraction of the program slots over the waves a launch of `programs` needs."""
+    return programs / (slots * math.ceil(programs / slots))
+
+
+def _decode_tile(
+    qpos: int, group: int, head_size: int, num_stages: int = DECODE_STAGES
+) -> tuple[int, int, int, int]:
+    """(block_m, tile_n, num_warps, num_stages) of the decode kernel.
+
+    128 KV tokens per step at D <= 128 (64 KiB of bf16 K+V per pipeline stage at D = 128), 64 at
+    D = 256 (the same bytes per stage). Tiles of more than 64 rows (QPOS x group) get 8 warps
+    (not measured).
+    """
+    block_m = max(16, next_pow2(qpos * group))
+    head_pad = next_pow2(head_size)
+    tile_n = min(DECODE_MAX_TILE_N, DECODE_TILE_BYTES // (head_pad * 2))
+    num_warps = DECODE_WARPS if block_m <= 64 else 8
+    return block_m, tile_n, num_warps, num_stages
+
+
+def kv_buffers(num_stages: int) -> int:
+    """K/V tiles Triton 3.6 keeps in shared memory for a load gathered through one level of
+    indirection: (num_stages - 1) // 2, at least 1 (observed on sm_90a: 2-4 stages 1, 5-6 2,
+    7 3)."""
+    return max(1, (num_stages - 1) // 2)
+
+
+# Per SM on Hopper: 228 KiB of shared memory (1 KiB of it reserved per block), 64 Ki registers.
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK_RESERVED = 1024
+SMEM_PER_BLOCK_MAX = 227 * 1024  # the opt-in limit of one block
+REGS_PER_SM = 65536
+# Registers per thread of the decode kernel (ptxas -v, sm_90a, Triton 3.6: 208-255 at 4 warps
+# for tile 128 D=128, split or not): taken as 255, i.e. at most 2 programs per SM at 4 warps.
+DECODE_REGS_PER_THREAD = 255
+
+
+def decode_smem_bytes(block_m: int, tile_n: int, head_size: int, num_stages: int,
+                      kv_bytes: int) -> int:  # fmt: skip
+    """Shared memory of the decode kernel: kv_buffers x (K + V tile + block-table entries) +
+    the q tile + the P tile (matches the compiled size for tile 64/128 and 3/5/7 stages)."""
+    head_pad = next_pow2(head_size)
+    per_buffer = tile_n * head_pad * 2 * kv_bytes + tile_n * 4
+    return kv_buffers(num_stages) * per_buffer + block_m * head_pad * 2 + block_m * tile_n * 2
+
+
+def decode_programs_per_sm(
+    block_m: int, tile_n: int, head_size: int, num_warps: int, num_stages: int, kv_bytes: int
+) -> int:
+    """Decode programs an SM holds at once: the smaller of the shared-memory and the register
+    bound (1 for 8 warps; for the bf16 default at D=128, 2: 74 KiB and ~255 registers each)."""
+    smem = decode_smem_bytes(block_m, tile_n, head_size, num_stages, kv_bytes)
+    by_smem = SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)
+    by_regs = REGS_PER_SM // (DECODE_REGS_PER_THREAD * 32 * num_warps)
+    return max(1, min(by_smem, by_regs))
+
+
+# Prefill tiles by head size; the kv-head-fastest grid (every head's heaviest q blocks first)
+# won at every length (H200 runs 2, 5, 6; docs/tuning/attention.md).
+PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
+    64: (128, 64, 4, 3),
+    128: (256, 64, 16, 7),
+    256: (64, 64, 8, 2),
+}
+# D <= 128: 256x64 tiles, 16 warps (four warpgroups of 64 rows sharing each K/V tile), 7 stages
+# (two K/V tiles in flight, 193 KiB): 416.9 / 448.3 / 463.2 TFLOP/s at S = 4k / 8k / 16k on an
+# H200 against 398.7 / 430.5 / 447.2 for 8 warps and 5 stages
+# (attention-h200-2026-11-26-prefill-sweep*.json).
+# A device whose block shared memory cannot hold a tile takes fewer stages, then the small tile
+# (A100: 163 KiB per block; sm_89: 99 KiB).
+PREFILL_STAGE_FALLBACKS = (5, 3)
+# Hopper (prefill_ws.supports): the warp-specialized kernel for the launches of the large tile,
+# 256 rows in two compute warpgroups, 64 keys, 4 K/V slots: 465.9 / 508.7 / 529.3 TFLOP/s
+# against the Triton kernel's 425.8 / 456.4 / 473.4 (attention-h200-2026-11-26-ws-sweep.json).
+PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
+# Head sizes the rule gives either Hopper kernel: measured at 128 only (64 passes the GPU
+# tests, not timed).
+WS_RULE_HEAD_SIZES = (128,)
+# Hopper, decode-only batches too small to fill the GPU (B <= 4 at Hkv=8 on 132 SMs): the
+# warp-specialized decode kernel, one program per SM, splits = SMs // (sequences x kv heads),
+# 128-token tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton
+# kernel's 45.5 (attention-h200-2026-11-26-ws-decode.json).
+DECODE_WS_TILE = (128, 2)  # (tile_n, slots)
+DECODE_WS_ROWS = 64  # the compute tile: one wgmma warpgroup's rows, >= query heads per kv head
+DECODE_WS_MIN_SPLITS = 4
+DECODE_WS_MAX_SPLITS = 64
+PREFILL_HEAD_FAST = True
+# Short prefills: below PREFILL_MIN_PROGRAMS x SMs programs of the large tile, the 128-row tile
+# (twice the programs; 256-row tiles left SMs idle at 512-token prompts, docs/tuning/attention.md).
+PREFILL_SMALL_TILE = (128, 64, 4, 3)
+PREFILL_MIN_PROGRAMS = 2
+
+
+def _prefill_tile(
+    group: int,
+    head_size: int,
+    programs: int | None = None,
+    sms: int = CPU_SM_COUNT,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+    kv_bytes: int = 2,
+) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the prefill kernel (PREFILL_TILES).
+    `programs`: the large tile's program count for the launch, when known; below
+    PREFILL_MIN_PROGRAMS x `sms` the small tile is used. `max_smem`: the device's shared memory
+    per block (bytes): a tile that does not fit takes fewer stages (PREFILL_STAGE_FALLBACKS),
+    then the small tile."""
+    head_pad = next_pow2(head_size)
+    bound = min(b for b in PREFILL_TILES if b >= head_pad)
+    tiles = [PREFILL_TILES[bound]]
+    small = PREFILL_SMALL_TILE
+    if small[0] < tiles[0][0] and small[0] >= next_pow2(group):
+        few_programs = programs is not None and programs < PREFILL_MIN_PROGRAMS * sms
+        tiles = [small] if few_programs else [tiles[0], small]
+    for block_m, block_n, num_warps, num_stages in tiles:
+        block_m = max(block_m, next_pow2(group))
+        for stages in (num_stages, *(s for s in PREFILL_STAGE_FALLBACKS if s < num_stages)):
+            if prefill_smem_bytes(block_m, block_n, head_size, stages, kv_bytes) <= max_smem:
+                return block_m, block_n, num_warps, stages
+    return block_m, block_n, num_warps, min(PREFILL_STAGE_FALLBACKS)
+
+
+def prefill_smem_bytes(
+    block_m: int, block_n: int, head_size: int, num_stages: int, kv_bytes: int
+) -> int:
+    """Shared memory of the prefill kernel: the decode kernel's layout (q tile, P tile and
+    kv_buffers(num_stages) K/V tiles with their block-table entries; 164352 bytes for 256x64
+    at D=128, 5 stages, as compiled for sm_90a)."""
+    return decode_smem_bytes(block_m, block_n, head_size, num_stages, kv_bytes)
+
+
+def split_cost(pairs: int, splits: int, slots: int) -> float:
+    """Modelled decode time of `pairs` (sequence, kv head) streams cut into `splits` programs
+    each, on `slots` program slots, in units of one whole stream: full waves of programs, each
+    1 / splits of a stream plus PROGRAM_OVERHEAD."""
+    waves = math.ceil(pairs * splits / slots)
+    return waves * (1.0 / splits + PROGRAM_OVERHEAD)
+
+
+@dataclass(frozen=True)
+class SplitRoom:
+    """What the split rule needs of a workspace: its buffer sizes (elements) and split cap."""
+
+    partial_out: int
+    partial_ml: int
+    counters: int
+    max_splits: int
+
+
+def split_room(workspace: AttentionWorkspace | None) -> SplitRoom | None:
+    if workspace is None:
+        return None
+    return SplitRoom(
+        workspace.partial_out.numel(),
+        workspace.partial_ml.numel(),
+        workspace.counters.numel(),
+        workspace.max_splits,
+    )
+
+
+def workspace_splits(workspace: SplitRoom, row_heads: int, head_pad: int, pairs: int) -> int:
+    """Most splits `workspace` holds the partials of (`row_heads` query rows x heads, each
+    `head_pad` wide) and the counters of (`pairs` (sequence, kv head) pairs) for; 1 if none."""
+    if workspace.counters < pairs:
+        return 1
+    return min(
+        workspace.partial_out // (row_heads * head_pad),
+        workspace.partial_ml // (row_heads * 2),
+        workspace.max_splits,
+    )
+
+
+def _num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    rows: int,
+    num_q_heads: int,
+    head_size: int,
+    slots: int,
+    sms: int,
+    workspace: SplitRoom | None,
+) -> int:
+    """Split count from the batch shape, the program slots and the workspace (never lengths).
+
+    Examples at Hkv=8 on 132 SMs, two decode programs per SM (bf16, D=128, 264 slots): B=1 ->
+    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B=16 -> 2 (256
+    programs), B=20 -> 3 (160 programs would fill one wave to 61%), B >= 32 -> 1.
+    """
+    if workspace is None:
+        return 1
+    pairs = num_seqs * num_kv_heads
+    if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
+        return 1
+    fit = workspace_splits(workspace, rows * num_q_heads, next_pow2(head_size), pairs)
+    best, best_cost = 1, split_cost(pairs, 1, slots)
+    for splits in range(2, min(fit, MAX_GRID_YZ) + 1):
+        cost = split_cost(pairs, splits, slots)
+        if cost < best_cost - 1e-9:  # ties go to fewer splits
+            best, best_cost = splits, cost
+    return best
+
+
+def plan_launch(
+    *,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    sms: int,
+    workspace: AttentionWorkspace | None,
+    kv_bytes: int = 2,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+    warp_specialized: bool = False,
+) -> LaunchPlan:
+    """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
+
+    kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). max_smem: shared memory
+    per block of the device (`smem_per_block`). warp_specialized: the call's tensors and options
+    can run Hopper's warp-specialized prefill kernel (`prefill_ws.supports`); long
+    prefills then take it. Memoized: every layer of a step asks the same question, and on the
+    eager (piecewise-graph) path vLLM runs attention in, host time per layer is step time.
+    """
+    return _plan_launch(
+        num_seqs, num_q_heads, num_kv_heads, head_size, max_query_len, sms,
+        split_room(workspace), kv_bytes, max_smem, warp_specialized,
+    )  # fmt: skip
+
+
+def decode_schedules(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    qpos: int,
+    sms: int,
+    workspace: SplitRoom | None,
+    kv_bytes: int,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+) -> list[tuple[float, int, int]]:
+    """The decode schedules that fit one block's shared memory, as (wave fill of the unsplit
+    batch, num_stages, split count with that schedule's program slots): 3 stages first, then
+    the pipelined DECODE_STAGES_PIPELINED."""
+    group = num_q_heads // num_kv_heads
+    schedules = []
+    for stages in (DECODE_STAGES, DECODE_STAGES_PIPELINED):
+        block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, stages)
+        if decode_smem_bytes(block_m, tile_n, head_size, stages, kv_bytes) > max_smem:
+            continue
+        slots = sms * decode_programs_per_sm(
+            block_m, tile_n, head_size, num_warps, stages, kv_bytes
+        )
+        splits = _num_splits(
+            num_seqs, num_kv_heads, num_seqs * qpos, num_q_heads, head_size, slots, sms, workspace
+        )
+        schedules.append((wave_fill(num_seqs * num_kv_heads, slots), stages, splits))
+    return schedules
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan_launch(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    sms: int,
+    workspace: SplitRoom | None,
+    kv_bytes: int,
+    max_smem: int,
+    warp_specialized: bool,
+) -> LaunchPlan:
+    group = num_q_heads // num_kv_heads
+    qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
+    decode_only = max_query_len <= qpos_cap
+    # Two tile shapes only (one position, or the cap), so that every kernel variant a serving
+    # run can meet is known in advance (see reachable_plans): speculative-verify batches of 2
+    # to 8 positions run in the cap's tile, their unused rows masked.
+    qpos = 1 if max_query_len <= 1 else qpos_cap
+    # The pipelined schedule only for a batch it runs unsplit and fills the waves of clearly
+    # better (see DECODE_STAGES_PIPELINED).
+    candidates = decode_schedules(
+        num_seqs, num_q_heads, num_kv_heads, head_size, qpos, sms, workspace, kv_bytes, max_smem
+    )
+    fill, num_stages, splits = candidates[0]
+    if len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
+        fill, num_stages, splits = candidates[1]
+    block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, num_stages)
+    decode = DecodeConfig(
+        qpos=qpos,
+        block_m=block_m,
+        tile_n=tile_n,
+        num_splits=splits,
+        max_q=0 if decode_only else qpos_cap,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        head_fast=num_stages == DECODE_STAGES,
+    )
+    if warp_specialized and max_query_len <= 1:
+        decode = _decode_ws_config(decode, num_seqs, num_q_heads, num_kv_heads, head_size, sms,
+                                   workspace)  # fmt: skip
+    prefill = None
+    if not decode_only:
+        # Programs of the large tile, at most: every sequence as long as the longest query.
+        large_rows = _prefill_tile(group, head_size)[0]
+        programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, large_rows)
+        block_m, block_n, num_warps, num_stages = _prefill_tile(
+            group, head_size, programs, sms, max_smem, kv_bytes
+        )
+        ws = (
+            warp_specialized
+            and head_size in WS_RULE_HEAD_SIZES
+            and block_m == large_rows
+            and group <= PREFILL_WS_TILE[0]
+        )
+        if ws:
+            block_m, block_n, num_warps, num_stages = PREFILL_WS_TILE
+        prefill = PrefillConfig(
+            block_m=block_m,
+            block_n=block_n,
+            min_q=qpos_cap,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            head_fast=PREFILL_HEAD_FAST,
+            warp_specialized=ws,
+        )
+    return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def _decode_ws_config(
+    triton_config: DecodeConfig,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: SplitRoom | None,
+) -> DecodeConfig:
+    """The warp-specialized decode kernel's config for a decode-only batch it suits (one
+    program per SM, at least DECODE_WS_MIN_SPLITS splits each), else `triton_config`."""
+    group = num_q_heads // num_kv_heads
+    pairs = num_seqs * num_kv_heads
+    if workspace is None or head_size not in WS_RULE_HEAD_SIZES or group > DECODE_WS_ROWS:
+        return triton_config
+    # One query position per sequence.
+    fit = workspace_splits(workspace, num_seqs * num_q_heads, head_size, pairs)
+    splits = min(sms // pairs, fit, DECODE_WS_MAX_SPLITS)
+    if splits < DECODE_WS_MIN_SPLITS:
+        return triton_config
+    tile_n, slots = DECODE_WS_TILE
+    return DecodeConfig(
+        qpos=1, block_m=DECODE_WS_ROWS, tile_n=tile_n, num_splits=splits, max_q=0, num_warps=4,
+        num_stages=slots, head_fast=False, warp_specialized=True,
+    )  # fmt: skip
+
+
+def reachable_plans(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: AttentionWorkspace | None,
+    kv_bytes: int = 2,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+    warp_specialized: bool = False,
+) -> list[LaunchPlan]:
+    """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
+    (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
+    group = num_q_heads // num_kv_heads
+    qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
+    # Beyond this many sequences every plan is the unsplit 3-stage one.
+    most_seqs = -(-NO_SPLIT_CTAS_PER_SM * sms // num_kv_heads) + 1
+    plans: list[LaunchPlan] = []
+    for max_query_len in (1, 2, qpos_cap + 1, 1 << 20):
+        for num_seqs in range(1, most_seqs + 1):
+            plan = plan_launch(
+                num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_size=head_size, max_query_len=max_query_len, sms=sms,
+                workspace=workspace, kv_bytes=kv_bytes, max_smem=max_smem,
+                warp_specialized=warp_specialized,
+            )  # fmt: skip
+            dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
+            plan = dataclasses.replace(plan, decode=dec)
+            if plan not in plans:
+                plans.append(plan)
+    return plans
