@@ -377,12 +377,14 @@ def check_write(case, gen: torch.Generator) -> tuple[bool, str]:
         scales = (torch.tensor([K_SCALE], device=DEVICE), torch.tensor([V_SCALE], device=DEVICE))
     kvc.kv_cache_update_reference(k, v, *views(want), slots, *scales)
     kc, vc = views(base)
-    offsets_64 = kvc._needs_int64(*(kvc._offset_bound(t) for t in (k, v, kc, vc)))
-    flat = kvc._flat_slots(kc, vc)
+    offsets_64 = kvc.plan._needs_int64(*(kvc.plan._offset_bound(t) for t in (k, v, kc, vc)))
+    flat = kvc.plan._flat_slots(kc, vc)
     if addr == "64":
         kv_scales = scales or (None, None)
-        fp8 = kvc._check_write_args(k, v, kc, vc, slots, *kv_scales)
-        kvc._launch_write(k, v, kc, vc, slots, *kv_scales, fp8, offsets_64=True, flat_slots=False)
+        fp8 = kvc.checks._check_write_args(k, v, kc, vc, slots, *kv_scales)
+        kvc.launch._launch_write(
+            k, v, kc, vc, slots, *kv_scales, fp8, offsets_64=True, flat_slots=False
+        )
         offsets_64, flat = True, False
     else:
         kvc.kv_cache_update(k, v, kc, vc, slots, *scales)
@@ -421,8 +423,8 @@ def check_rope(case, gen: torch.Generator) -> tuple[bool, str]:
     want_k = kvc.rotary_reference(positions, k, cs, neox)
     if addr == "64":
         kv_scales = scales or (None, None)
-        fp8 = kvc._check_write_args(k, v, kc, vc, slots, *kv_scales)
-        kvc._launch_rope(positions, q, k, v, cs, neox, kc, vc, slots, *kv_scales, fp8,
+        fp8 = kvc.checks._check_write_args(k, v, kc, vc, slots, *kv_scales)
+        kvc.launch._launch_rope(positions, q, k, v, cs, neox, kc, vc, slots, *kv_scales, fp8,
                          offsets_64=True, flat_slots=False)  # fmt: skip
     else:
         kvc.rope_kv_cache_update(positions, q, k, v, cs, neox, kc, vc, slots, *scales)
@@ -593,7 +595,7 @@ def bench_rope(
         kvc.rope_kv_cache_update(pos, q, k, v, cs, neox, kc, vc, slots)
 
     def fuselane_rotary_then_write():
-        kvc._launch_rope(
+        kvc.launch._launch_rope(
             pos, q, k, v, cs, neox, kc, vc, slots, None, None, False, write_cache=False
         )
         kvc.kv_cache_update(k, v, kc, vc, slots)
@@ -689,7 +691,7 @@ def bench_floor(run: Runner, tokens: int, gen: torch.Generator) -> None:
     _, kc, vc = make_cache(batch.num_pages, torch.bfloat16)
     slots = batch.slot_mapping
     dst = torch.empty(tokens, 2 * HKV * D, dtype=torch.bfloat16, device=DEVICE)
-    rows, tile, warps = kvc._write_launch_config(tokens, HKV * D)
+    rows, tile, warps = kvc.plan._write_launch_config(tokens, HKV * D)
     grid = (triton.cdiv(tokens, rows), triton.cdiv(HKV * D, tile))
     empty_x = torch.empty(1, device=DEVICE)
 
@@ -728,10 +730,10 @@ def bench_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
     slots = batch.slot_mapping
     kvc.kv_cache_update_reference(k, v, kw, vw, slots)
     nbytes = write_bytes(tokens, 2, 2)
-    rule = kvc._write_launch_config(tokens, HKV * D)
+    rule = kvc.plan._write_launch_config(tokens, HKV * D)
 
     def launcher(**kw):
-        return lambda: kvc._launch_write(k, v, kc, vc, slots, None, None, False, **kw)
+        return lambda: kvc.launch._launch_write(k, v, kc, vc, slots, None, None, False, **kw)
 
     impls = [("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots))]
     for rows in SWEEP_ROWS:
@@ -766,7 +768,7 @@ def bench_fp8_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
     nbytes = write_bytes(tokens, 2, 1)
 
     def launcher(**kw):
-        return lambda: kvc._launch_write(k, v, kc, vc, slots, *scales, True, **kw)
+        return lambda: kvc.launch._launch_write(k, v, kc, vc, slots, *scales, True, **kw)
 
     impls = [
         ("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots, *scales)),

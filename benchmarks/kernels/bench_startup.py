@@ -55,7 +55,7 @@ KERNELS = {
     "decode": attention_decode._decode_kernel,
     "reduce": attention_decode._splitkv_reduce_kernel,
     "prefill": attention_prefill._prefill_kernel,
-    "kv_write": kvk._kv_cache_update_kernel,
+    "kv_write": kvk.write._kv_cache_update_kernel,
     "sample_chunk": smp._sample_chunk_kernel,
     "sample_combine": smp._sample_combine_kernel,
 }

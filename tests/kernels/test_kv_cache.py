@@ -1,4 +1,4 @@
-"""kernels/kv_cache.py: the Triton kernels against their torch references.
+"""kernels/kv_cache/: the Triton kernels against their torch references.
 
 Runs under Triton's interpreter on the CPU, and on the GPU as it is (`tests.device.DEVICE`):
 inputs are drawn on the CPU from seeded generators and moved to DEVICE, so both see the same
@@ -38,7 +38,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # differ from the reference by up to one bf16 ulp there; fp16 and fp32 match exactly there. On
 # the GPU the fp32 math may contract to FMA: any dtype may then round one ulp away.
 ROTARY_TOLERANCES = [(dt, *TOLERANCES[dt]) for dt in DTYPES]
-INTERPRETING = kvc._interpreting()
+INTERPRETING = kvc.checks._interpreting()
 # Small tensors for the validation tests, on DEVICE unless a test asks for another device.
 zeros = partial(torch.zeros, device=DEVICE)
 arange = partial(torch.arange, device=DEVICE)
@@ -323,7 +323,7 @@ def test_several_rows_per_program(rows_per_program, num_kv_heads):
     slots = make_slots(gen, T, num_blocks * bs, bs, pad_every=6)
     expected = base.clone()
     kv_cache_update_reference(key, value, *cache_views(expected, "nhd", D), slots)
-    kvc._launch_write(
+    kvc.launch._launch_write(
         key, value, *cache_views(base, "nhd", D), slots, None, None, False,
         rows_per_program=rows_per_program,
     )  # fmt: skip
@@ -334,12 +334,14 @@ def test_launch_rule():
     """Tokens per program never shrink as N grows; a program's tile stays within the bound."""
     previous = 0
     for n in (1, 16, 256, 512, 513, 4096, 32768, 1 << 20):
-        rows, tile, warps = kvc._write_launch_config(n, 8 * 128)
-        assert rows >= previous and rows * tile <= kvc._WRITE_MAX_TILE_ELEMS and warps in (4, 8)
+        rows, tile, warps = kvc.plan._write_launch_config(n, 8 * 128)
+        assert (
+            rows >= previous and rows * tile <= kvc.plan._WRITE_MAX_TILE_ELEMS and warps in (4, 8)
+        )
         previous = rows
-    assert kvc._write_launch_config(1, 8 * 128) == (1, 1024, 4)  # one program for one token
-    rows, tile, _ = kvc._write_launch_config(1, 64 * 256)
-    assert rows == 1 and tile == kvc._WRITE_MAX_TILE_ELEMS  # 16384 elements -> two tiles
+    assert kvc.plan._write_launch_config(1, 8 * 128) == (1, 1024, 4)  # one program for one token
+    rows, tile, _ = kvc.plan._write_launch_config(1, 64 * 256)
+    assert rows == 1 and tile == kvc.plan._WRITE_MAX_TILE_ELEMS  # 16384 elements -> two tiles
 
 
 # The launcher picks int32 offsets and slot * slot_stride addressing whenever it can; these force
@@ -367,7 +369,7 @@ def test_write_addressing_variants(variant, cache_dtype, layout, rows_per_progra
     scales = (scale_tensor(0.02), scale_tensor(0.5)) if fp8 else (None, None)
     expected = base.clone()
     kv_cache_update_reference(key, value, *cache_views(expected, layout, D), slots, *scales)
-    kvc._launch_write(
+    kvc.launch._launch_write(
         key, value, *cache_views(base, layout, D), slots, *scales, fp8,
         rows_per_program=rows_per_program, **ADDRESSING_VARIANTS[variant],
     )  # fmt: skip
@@ -386,7 +388,7 @@ def test_rope_int64_block_offset_addressing(is_neox):
     scales = (scale_tensor(0.05), scale_tensor(0.08))
     want_q = rotary_reference(positions, query, cs, is_neox)
     want_k = rotary_reference(positions, key, cs, is_neox)
-    kvc._launch_rope(
+    kvc.launch._launch_rope(
         positions, query, key, value, cs, is_neox, *cache_views(base, "hnd", D), slots, *scales,
         True, offsets_64=True, flat_slots=False,
     )  # fmt: skip
@@ -425,13 +427,13 @@ def test_int64_offsets_chosen_when_needed(monkeypatch):
     bound covers masked rows past the end and padded head/dim lanes."""
     big = torch.empty_strided((65600, 16, 8, 128), (32768, 2048, 256, 1), device="meta")
     small = torch.empty_strided((65000, 16, 8, 128), (32768, 2048, 256, 1), device="meta")
-    assert kvc._needs_int64(kvc._offset_bound(big))
-    assert not kvc._needs_int64(kvc._offset_bound(small))
+    assert kvc.plan._needs_int64(kvc.plan._offset_bound(big))
+    assert not kvc.plan._needs_int64(kvc.plan._offset_bound(small))
     key = torch.empty_strided((1000, 8, 128), (6144, 128, 1), device="meta")
-    assert kvc._offset_bound(key) == 999 * 6144 + 15 * 128 + 255
-    assert kvc._offset_bound(key, 1024) == 1023 * 6144 + 15 * 128 + 255
+    assert kvc.plan._offset_bound(key) == 999 * 6144 + 15 * 128 + 255
+    assert kvc.plan._offset_bound(key, 1024) == 1023 * 6144 + 15 * 128 + 255
     # the launcher's automatic int64 path, on a small cache with the limit lowered
-    monkeypatch.setattr(kvc, "_INT32_MAX", 1000)
+    monkeypatch.setattr(kvc.plan, "_INT32_MAX", 1000)
     gen = torch.Generator().manual_seed(140)
     _, key, value = make_inputs(gen, 9, 1, 2, 64, torch.bfloat16, "qkv")
     base = make_cache(2, 16, 2, 64, torch.bfloat16, "layers")
@@ -453,7 +455,7 @@ def test_flat_slot_addressing_detection(layout, flat):
         }[layout],
         device="meta",
     )
-    assert kvc._flat_slots(*cache_views(base, layout, 64)) is flat
+    assert kvc.plan._flat_slots(*cache_views(base, layout, 64)) is flat
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,7 +606,7 @@ def test_rotary_only_variant_leaves_cache_alone():
     base = make_cache(1, 16, 2, 64, torch.float32, "nhd")
     want_q = rotary_reference(positions, query, cs, True)
     want_k = rotary_reference(positions, key, cs, True)
-    kvc._launch_rope(
+    kvc.launch._launch_rope(
         positions, query, key, value, cs, True, *cache_views(base, "nhd", 64), arange(4),
         None, None, False, write_cache=False,
     )  # fmt: skip
@@ -839,7 +841,7 @@ def test_rope_rejects_bad_input(name):
 
 def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
     """CPU tensors without the interpreter (on a GPU machine: as it is) are refused."""
-    monkeypatch.setattr(kvc, "_interpreting", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"^key: expected a CUDA tensor"):
         kv_cache_update(**_good_write_args(device=cpu))
@@ -856,5 +858,5 @@ def test_warm_up_write_launches_each_bucket_and_writes_nothing(dtype):
     launched = kvc.warm_up_write(
         *cache_views(base, "nhd", 64), key_dtype=torch.bfloat16, k_scale=scale, v_scale=scale
     )
-    assert launched == len(kvc._WRITE_ROWS_PER_PROGRAM)
+    assert launched == len(kvc.plan._WRITE_ROWS_PER_PROGRAM)
     assert torch.equal(base.view(torch.uint8), before.view(torch.uint8))

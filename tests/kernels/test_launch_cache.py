@@ -103,7 +103,7 @@ def test_attention_options_or_metadata_change_means_a_new_recording(monkeypatch)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_E4M3])
 def test_kv_write_layers_replay_with_their_own_tensors(monkeypatch, cache_dtype):
     cache = LaunchCache()
-    monkeypatch.setattr(kvc, "WRITE_LAUNCHES", cache)
+    monkeypatch.setattr(kvc.ops, "WRITE_LAUNCHES", cache)
     gen = torch.Generator().manual_seed(403)
     slots = torch.tensor([3, 40, 17, -1, 0, 63, 21], device=DEVICE)
     for i in range(LAYERS):
