@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import telemetry, vllm_compat, warmup
+from . import sampling_state, telemetry, vllm_compat, warmup
 from .config import KernelSelection
 
 __all__ = ["counters", "install", "make_v1_sampler", "make_v2_sampler", "reset_counters"]
@@ -208,8 +208,10 @@ def _params_v1(sampler: Any, logits: torch.Tensor, md: Any):
                 p.min_p = _f32(proc.min_p, B)
         p.seeds, p.has_seed = _seeds_v1(md.generators, B, dev)
     if not md.no_penalties:
-        p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask = sampling.penalty_state_from_v1(
-            md.prompt_token_ids[:B], md.output_token_ids[:B], V
+        p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask = (
+            sampling_state.penalty_state_from_v1(
+                md.prompt_token_ids[:B], md.output_token_ids[:B], V
+            )
         )
         p.repetition_penalty = _f32(md.repetition_penalties, B)
         p.frequency_penalty = _f32(md.frequency_penalties, B)
@@ -356,9 +358,7 @@ def make_v1_sampler(base: type) -> type:
             key = (proc.bias_tensor, B, dev)
             last = self._fuselane_bias_key
             if last is None or last[0] is not key[0] or last[1:] != key[1:]:
-                from fuselane.kernels import sampling
-
-                self._fuselane_bias = sampling.logit_bias_from_dicts(proc.biases, B, dev)
+                self._fuselane_bias = sampling_state.logit_bias_from_dicts(proc.biases, B, dev)
                 self._fuselane_bias_key = key
             return self._fuselane_bias
 

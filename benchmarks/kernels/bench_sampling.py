@@ -1,4 +1,4 @@
-"""GPU benchmark of the fused sampler (kernels/sampling.py) against its peers.
+"""GPU benchmark of the fused sampler (kernels/sampling/) against its peers.
 
 On the GPU machine, from the project root:
     source .peers/setup_device.sh
@@ -20,7 +20,7 @@ Order of work, in one process on one device:
      timed for fuselane), then fuselane and every peer are timed on the same inputs by
      CUDA-graph replay (`harness.time_graph`; eager with a note if capture fails);
   4. sweep (until BUDGET_S): other chunk sizes / warps / register caps than the launch rule
-     picks, to set the table in kernels/sampling.py from measurements;
+     picks, to set the table in kernels/sampling/plan.py from measurements;
   5. GOAL lines, the table; JSON to --out and benchmarks/results/.
 
 fuselane is timed as the V2 plugin would call it: every row seeded (V2 keeps a seed per
@@ -56,12 +56,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 try:  # an installed checkout (pip install -e .)
     from fuselane.benchmarks import harness
+    from fuselane.benchmarks.stats import chi_square_pvalue
     from fuselane.kernels import sampling as smp
-    from fuselane.kernels import sampling_penalties as spen
+    from fuselane.kernels.sampling import penalties as spen
+    from fuselane.plugin import sampling_state
 except ImportError:  # a bare checkout (the GPU machine): the root folders are packages
     from benchmarks import harness
+    from benchmarks.stats import chi_square_pvalue
     from kernels import sampling as smp
-    from kernels import sampling_penalties as spen
+    from kernels.sampling import penalties as spen
+    from plugin import sampling_state
 
 T, K, P = 0.7, 50, 0.9
 CASES = [(1, 128256), (32, 128256), (256, 151936)]
@@ -114,7 +118,7 @@ def make_params(B, V, gen, device, *, pen=False, greedy_rows=0, **over):
     if pen:
         prompt = torch.randint(0, V, (B, PROMPT_LEN), generator=gen, **f)
         out_ids = torch.randint(0, V, (B, OUTPUT_LEN), generator=gen, **f)
-        pm, oc, om = smp.penalty_state_from_v1(prompt, out_ids, V)
+        pm, oc, om = sampling_state.penalty_state_from_v1(prompt, out_ids, V)
         kw.update(
             min_p=torch.full((B,), MIN_P, **f),
             repetition_penalty=torch.full((B,), REP, **f),
@@ -284,7 +288,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
                     }
                     for r in range(0, B, 2)
                 }
-                c, t, v = smp.logit_bias_from_dicts(biases, B, dev)
+                c, t, v = sampling_state.logit_bias_from_dicts(biases, B, dev)
                 over.update(logit_bias_counts=c, logit_bias_token_ids=t, logit_bias_values=v)
             prm = make_params(
                 B, V, gen, dev, pen=opt.get("pen", False), greedy_rows=opt.get("greedy", 0), **over
@@ -352,7 +356,7 @@ def run_checks(run: Runner, gen, small: bool) -> None:
             counts += torch.bincount(tok, minlength=V)
             equal += int((tok == smp.sample_reference(x, prm).token_ids).sum())
         probs = torch.softmax(smp.process_logits_reference(x[:1], prm)[0].double(), -1)
-        pval = smp.chi_square_pvalue(counts, probs)
+        pval = chi_square_pvalue(counts, probs)
         n = rows * calls
         ok = pval > ALPHA and equal >= 0.999 * n
         run.line(

@@ -56,8 +56,8 @@ KERNELS = {
     "reduce": attention_decode._splitkv_reduce_kernel,
     "prefill": attention_prefill._prefill_kernel,
     "kv_write": kvk.write._kv_cache_update_kernel,
-    "sample_chunk": smp._sample_chunk_kernel,
-    "sample_combine": smp._sample_combine_kernel,
+    "sample_chunk": smp.chunk._sample_chunk_kernel,
+    "sample_combine": smp.combine._sample_combine_kernel,
 }
 
 
@@ -150,7 +150,7 @@ def main() -> int:
             p = smp.SamplingParamsTensors()
             for name in fields:
                 dt = torch.int32 if name == "top_k" else torch.float32
-                setattr(p, name, torch.full((b,), smp._WARM_VALUES[name], dtype=dt, device=dev))
+                setattr(p, name, torch.full((b,), smp.ops._WARM_VALUES[name], dtype=dt, device=dev))
             ms = timed(lambda: smp.fused_sample(logits, p, workspace=sws, num_logprobs=None)) * 1e3  # noqa: B023
             first_ms[f"sampling B={b} {'+'.join(fields)}"] = round(ms, 2)
     after = compiled_counts()

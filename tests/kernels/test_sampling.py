@@ -1,4 +1,4 @@
-"""fused_sample (kernels/sampling.py) against its torch reference, under the Triton interpreter.
+"""fused_sample (kernels/sampling/) against its torch reference, under the Triton interpreter.
 
 Exact checks compare tokens (seeded rows draw the same token given the same noise), kept sets,
 log-probabilities and top-n lists; statistical checks compare sampled frequencies with the
@@ -15,24 +15,23 @@ import struct
 import pytest
 import torch
 
+from fuselane.benchmarks.stats import chi_square_pvalue
 from fuselane.kernels import sampling as smp
-from fuselane.kernels import sampling_penalties as spen
 from fuselane.kernels.sampling import (
     LOGPROBS_MODES,
     SamplingParamsTensors,
     SamplingWorkspace,
     apply_bias_reference,
     apply_penalties_reference,
-    chi_square_pvalue,
     fused_sample,
     gumbel_noise_reference,
-    logit_bias_from_dicts,
     pack_bin_mask,
-    penalty_state_from_v1,
     process_logits_reference,
     sample_reference,
     unpack_bin_mask,
 )
+from fuselane.kernels.sampling import penalties as spen
+from fuselane.plugin.sampling_state import logit_bias_from_dicts, penalty_state_from_v1
 from tests.allclose import assert_close
 from tests.device import DEVICE, on_device
 
@@ -633,8 +632,8 @@ def test_outputs_are_workspace_views_and_custom_op_fake():
         )
         # penalties written in place: the op variant declared as writing the logits
         fused_sample(torch.randn(B, V), pen, workspace=fake_ws, logits_writable=True)
-    assert smp._fused_sample_into_pen_._opoverload._schema.arguments[0].alias_info.is_write
-    assert smp._fused_sample_into._opoverload._schema.arguments[0].alias_info is None
+    assert smp.ops._fused_sample_into_pen_._opoverload._schema.arguments[0].alias_info.is_write
+    assert smp.ops._fused_sample_into._opoverload._schema.arguments[0].alias_info is None
 
 
 def _bad(match, logits=None, prm=None, **kw):
@@ -718,7 +717,7 @@ def test_warm_up_runs_each_parameter_set_at_each_configuration(monkeypatch):
         )
         return real(logits, params, **kwargs)
 
-    monkeypatch.setattr(smp, "fused_sample", spy)
+    monkeypatch.setattr(smp.ops, "fused_sample", spy)
     ws = smp.SamplingWorkspace.allocate(3, 300, DEVICE, max_logprobs=2)
     template = smp.SamplingParamsTensors(state_slots=torch.arange(3, device=DEVICE))
     sets = ((), ("temperature", "top_k", "top_p"))
@@ -732,14 +731,14 @@ def test_logprob_counts_share_a_few_combine_variants(monkeypatch):
     """The combine kernel's top-n width is the narrowest of TOPN_WIDTHS that holds the request:
     1 to 8 logprobs run one compiled variant, 9 to 32 another (both compiled at start-up)."""
     seen = []
-    real = smp.launch
+    real = smp.ops.launch
 
     def spy(fn, grid, *args, **kwargs):
-        if fn is smp._sample_combine_kernel:
+        if fn is smp.combine._sample_combine_kernel:
             seen.append(kwargs["TP"])
         return real(fn, grid, *args, **kwargs)
 
-    monkeypatch.setattr(smp, "launch", spy)
+    monkeypatch.setattr(smp.ops, "launch", spy)
     B, V = 2, 300
     x = _logits(B, V, seed=5)
     prm = _params(B, temperature=torch.tensor([0.0, 0.9]))

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler.compiler import make_backend
     from fuselane.kernels import sampling as smp
 
-    fn = smp._sample_combine_kernel
+    fn = smp.combine._sample_combine_kernel
     # pointer element types as fused_sample passes them
     PTR = {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i32", "topp_ptr": "*fp32",
            "minp_ptr": "*fp32", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
                  HAS_SLOTS=False, HAS_PEN=False, HAS_OUT_MASK=False, HAS_BIAS=False, SEED_MODE=1,
                  HAS_OFFSETS=True, RAW_CANDS=False, BIAS_BLOCK=16, NP=16, FB_TILE=256, KC=64)
     for n in map(int, sys.argv[1:]):
-        consts = dict(flags, TP=smp._topn_width(n))
+        consts = dict(flags, TP=smp.plan._topn_width(n))
         sig = {}
         for name, p in zip(fn.arg_names, fn.params):
             if p.is_constexpr:

@@ -26,7 +26,14 @@ from prometheus_client import REGISTRY
 from fuselane.kernels import attention as attn_kernels
 from fuselane.kernels import kv_cache as kv_kernels
 from fuselane.kernels import sampling as sampling_kernels
-from fuselane.plugin import faults, kernel_timing, metrics_export, numerics, telemetry
+from fuselane.plugin import (
+    faults,
+    kernel_timing,
+    metrics_export,
+    numerics,
+    sampling_state,
+    telemetry,
+)
 from tests import prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -433,7 +440,7 @@ def test_sampling_check_of_penalties_written_in_place(tel):
     logits, params = sampling_case(0.8, seed=3)
     b, vocab = logits.shape
     hot = logits.argsort(-1, descending=True)[:, :4]  # penalize each row's top tokens
-    pm, oc, om = sampling_kernels.penalty_state_from_v1(hot[:, :2], hot[:, 2:].tolist(), vocab)
+    pm, oc, om = sampling_state.penalty_state_from_v1(hot[:, :2], hot[:, 2:].tolist(), vocab)
     params.repetition_penalty = torch.full((b,), 1.5)
     params.frequency_penalty = torch.full((b,), 0.7)
     params.prompt_bin_mask, params.output_bin_counts, params.output_bin_mask = pm, oc, om

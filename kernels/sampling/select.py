@@ -1,4 +1,4 @@
-"""Triton building blocks of the fused sampler (kernels/sampling.py): the per-tile logits
+"""Triton building blocks of the fused sampler (kernels/sampling/): the per-tile logits
 processing, order-preserving keys, vLLM V2's murmur3 Gumbel noise, per-chunk candidate
 selection and the threshold searches (over a candidate list, or exact with passes over a row).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sampling_penalties import div, mul
+from .penalties import div, mul
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -1,0 +1,385 @@
+"""The fused sampler's entry points: the launch of both kernels, its custom ops (with fakes for
+torch.compile), `fused_sample`, and the start-up warm-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._launch import cdiv, launch, use_custom_op
+from . import penalties as sampling_penalties
+from .checks import _validate
+from .chunk import _sample_chunk_kernel
+from .combine import _sample_combine_kernel
+from .params import SampleOutput, SamplingParamsTensors
+from .plan import (
+    _MODE_CODE,
+    BIAS_BLOCK,
+    COMBINE_MAXNREG,
+    FB_PIVOTS,
+    FB_TILE,
+    MIN_CHUNK,
+    SURVIVORS,
+    _next_pow2,
+    _topn_width,
+    chunk_warps_for,
+    launch_batches,
+    pick_launch,
+)
+from .workspace import SamplingWorkspace
+
+
+def _fused_sample_into_impl(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    state_slots: torch.Tensor | None,
+    prompt_bin_mask: torch.Tensor | None,
+    output_bin_counts: torch.Tensor | None,
+    output_bin_mask: torch.Tensor | None,
+    logit_bias_counts: torch.Tensor | None,
+    logit_bias_token_ids: torch.Tensor | None,
+    logit_bias_values: torch.Tensor | None,
+    seeds: torch.Tensor | None,
+    has_seed: torch.Tensor | None,
+    seed_offsets: torch.Tensor | None,
+    stats_f: torch.Tensor,
+    stats_i: torch.Tensor,
+    cand: torch.Tensor,
+    rcand: torch.Tensor,
+    rand_seeds: torch.Tensor,
+    token_ids: torch.Tensor,
+    logprob: torch.Tensor,
+    topn_ids: torch.Tensor,
+    topn_logprobs: torch.Tensor,
+    nan_rows: torch.Tensor,
+    kept_threshold: torch.Tensor,
+    kept_count: torch.Tensor,
+    fallback_rows: torch.Tensor,
+    scratch: torch.Tensor,
+    num_logprobs: int,
+    mode: int,
+    chunk: int,
+    cap: int,
+    chunk_warps: int,
+    maxnreg: int,
+    pen_in_place: bool,
+    exact_arith: bool,
+) -> None:
+    """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
+    no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES. pen_in_place: the chunk kernel writes the
+    penalized values of seen tokens into `logits` first; both kernels then read them as
+    plain logits. exact_arith: the workspace's `arith` is "torch"."""
+    B, V = logits.shape
+    has_pen = (
+        repetition_penalty is not None
+        or frequency_penalty is not None
+        or presence_penalty is not None
+    )
+    pen_in_place = pen_in_place and has_pen
+    has_bias = logit_bias_counts is not None
+    if seeds is None:
+        seed_mode = 0
+    elif has_seed is None:
+        seed_mode = 1
+    else:
+        seed_mode = 2
+    if seed_mode != 1:
+        # Device-drawn seeds from torch's global generator: no host sync, graph-capturable.
+        rand_seeds[:B].random_()
+    nc = cdiv(V, chunk)
+    topn = num_logprobs > 0
+    need_raw = mode in (1, 2)
+    raw_cands = need_raw and topn and ((has_pen and not pen_in_place) or has_bias)
+    dummy = logits
+    args = (
+        logits,
+        logits.stride(0),
+        V,
+        nc,
+        stats_f.shape[1],
+        temperature if temperature is not None else dummy,
+        top_k if top_k is not None else dummy,
+        top_p if top_p is not None else dummy,
+        min_p if min_p is not None else dummy,
+        repetition_penalty if repetition_penalty is not None else dummy,
+        frequency_penalty if frequency_penalty is not None else dummy,
+        presence_penalty if presence_penalty is not None else dummy,
+        state_slots if state_slots is not None else dummy,
+        prompt_bin_mask if has_pen else dummy,
+        prompt_bin_mask.stride(0) if has_pen else 0,
+        output_bin_counts if has_pen else dummy,
+        output_bin_counts.stride(0) if has_pen else 0,
+        output_bin_mask if (has_pen and output_bin_mask is not None) else dummy,
+        output_bin_mask.stride(0) if (has_pen and output_bin_mask is not None) else 0,
+        logit_bias_counts if has_bias else dummy,
+        logit_bias_token_ids if has_bias else dummy,
+        logit_bias_values if has_bias else dummy,
+        logit_bias_token_ids.stride(0) if has_bias else 0,
+        seeds if seeds is not None else dummy,
+        has_seed if has_seed is not None else dummy,
+        rand_seeds,
+        seed_offsets if seed_offsets is not None else dummy,
+        stats_f,
+        stats_i,
+        cand,
+        rcand,
+    )
+    flags = dict(
+        HAS_TEMP=temperature is not None,
+        EXACT=exact_arith,
+        HAS_TOPK=top_k is not None,
+        HAS_TOPP=top_p is not None,
+        HAS_MINP=min_p is not None,
+        HAS_REP=repetition_penalty is not None,
+        HAS_FREQ=frequency_penalty is not None,
+        HAS_PRES=presence_penalty is not None,
+        HAS_SLOTS=state_slots is not None,
+        HAS_PEN=has_pen and not pen_in_place,
+        HAS_OUT_MASK=has_pen and output_bin_mask is not None,
+        HAS_BIAS=has_bias,
+        SEED_MODE=seed_mode,
+        HAS_OFFSETS=seed_offsets is not None,
+        RAW_CANDS=raw_cands,
+        BIAS_BLOCK=BIAS_BLOCK,
+    )
+    extra = {"maxnreg": maxnreg} if maxnreg > 0 else {}
+    launch(
+        _sample_chunk_kernel,
+        (nc, B),
+        *args,
+        CHUNK=chunk,
+        CAP=cap,
+        SUB=max(MIN_CHUNK, chunk // 4),
+        NEED_RAW=need_raw,
+        PEN_IN_PLACE=pen_in_place,
+        BIT_STEPS=sampling_penalties.BIT_STEPS if pen_in_place else 1,
+        num_warps=chunk_warps or chunk_warps_for(chunk),
+        **extra,
+        **flags,
+    )
+    nc_pad = _next_pow2(nc)
+    tp = _topn_width(num_logprobs)  # the workspace's scratch holds its widest list a row
+    launch(
+        _sample_combine_kernel,
+        (B,),
+        *args,
+        token_ids,
+        logprob,
+        topn_ids,
+        topn_logprobs,
+        nan_rows,
+        kept_threshold,
+        kept_count,
+        fallback_rows,
+        scratch,
+        max(0, num_logprobs),
+        NC_PAD=nc_pad,
+        CAP=cap,
+        MODE=mode,
+        TP=tp,
+        TOPN=topn,
+        NP=FB_PIVOTS,
+        FB_TILE=FB_TILE,
+        KC=SURVIVORS,
+        num_warps=4 if nc_pad * cap <= 2048 else 8,
+        # two 8-warp programs per SM (a B=256 batch in one wave; ~30 bytes of spills)
+        **({} if nc_pad * cap <= 2048 else {"maxnreg": COMBINE_MAXNREG}),
+        **flags,
+    )
+
+
+_WORKSPACE_ARGS = (
+    "stats_f",
+    "stats_i",
+    "cand",
+    "rcand",
+    "rand_seeds",
+    "token_ids",
+    "logprob",
+    "topn_ids",
+    "topn_logprobs",
+    "nan_rows",
+    "kept_threshold",
+    "kept_count",
+    "fallback_rows",
+    "scratch",
+)
+_fused_sample_into = torch.library.custom_op(
+    "fuselane::fused_sample_into", mutates_args=_WORKSPACE_ARGS
+)(_fused_sample_into_impl)
+# the same launch, declared as writing the logits (the penalties written in place)
+_fused_sample_into_pen_ = torch.library.custom_op(
+    "fuselane::fused_sample_into_pen_", mutates_args=("logits", *_WORKSPACE_ARGS)
+)(_fused_sample_into_impl)
+
+
+@_fused_sample_into.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@_fused_sample_into_pen_.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+def fused_sample(
+    logits: torch.Tensor,
+    params: SamplingParamsTensors,
+    *,
+    workspace: SamplingWorkspace | None = None,
+    num_logprobs: int | None = 0,
+    logprobs_mode: str = "raw_logprobs",
+    logits_writable: bool = False,
+) -> SampleOutput:
+    """Process `logits [B, V]` (fp32/bf16/fp16, stride 1 in V) and sample one token per row.
+
+    num_logprobs: None = no log-probabilities; 0 = the chosen token's; n > 0 = also the top n
+    (n <= 128). Two launches (plus one `random_` when some row has no seed), no host sync, no
+    allocation when `workspace` is given: the outputs are views into it.
+
+    logits_writable: the caller does not read `logits` afterwards (vLLM's V1 sampler penalizes
+    its own fp32 logits in place too). With penalties on, fp32 logits, no logit bias and no raw
+    log-probabilities asked for, the penalized values of the seen tokens are then written into
+    `logits` (each chunk program rewrites its chunk's seen tokens, `penalties`, then
+    reads it as plain logits): the same results, less work per value. Otherwise `logits` is
+    never written.
+    """
+    _validate(logits, params, num_logprobs, logprobs_mode)
+    B, V = logits.shape
+    n = -1 if num_logprobs is None else num_logprobs
+    ws = workspace
+    if ws is None:
+        ws = SamplingWorkspace.allocate(B, V, logits.device, max_logprobs=max(0, n))
+    if ws.device != logits.device:
+        raise ValueError(f"workspace: expected device {logits.device}, got {ws.device}")
+    if B > ws.max_batch or V > ws.vocab:
+        raise ValueError(
+            f"workspace: sized for batch {ws.max_batch} and vocab {ws.vocab}, "
+            f"got logits {list(logits.shape)}"
+        )
+    if n > ws.max_logprobs:
+        raise ValueError(f"num_logprobs: workspace allows up to {ws.max_logprobs}, got {n}")
+    mode = 0 if num_logprobs is None else _MODE_CODE[logprobs_mode]
+    p = params
+    in_place = (
+        p.has_penalties
+        and logits_writable
+        and logits.dtype == torch.float32
+        and not p.has_bias  # vLLM biases before it penalizes
+        and mode not in (1, 2)  # raw values are read from the logits
+    )
+    chunk, warps, maxnreg = pick_launch(B, V, penalties=p.has_penalties and not in_place)
+    if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
+        chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
+    if use_custom_op(logits):
+        into = _fused_sample_into_pen_ if in_place else _fused_sample_into
+    else:
+        into = _fused_sample_into_impl
+    into(
+        logits,
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.frequency_penalty,
+        p.presence_penalty,
+        p.state_slots,
+        p.prompt_bin_mask,
+        p.output_bin_counts,
+        p.output_bin_mask,
+        p.logit_bias_counts,
+        p.logit_bias_token_ids,
+        p.logit_bias_values,
+        p.seeds,
+        p.has_seed,
+        p.seed_offsets,
+        ws.stats_f,
+        ws.stats_i,
+        ws.cand,
+        ws.rcand,
+        ws.rand_seeds,
+        ws.token_ids,
+        ws.logprob,
+        ws.topn_ids,
+        ws.topn_logprobs,
+        ws.nan_rows,
+        ws.kept_threshold,
+        ws.kept_count,
+        ws.fallback_rows,
+        ws.scratch,
+        n,
+        mode,
+        chunk,
+        ws.cap,
+        warps,
+        maxnreg,
+        in_place,
+        ws.arith == "torch",
+    )
+    return SampleOutput(
+        token_ids=ws.token_ids[:B],
+        logprob=None if num_logprobs is None else ws.logprob[:B],
+        topn_ids=ws.topn_ids[: B * n].view(B, n) if n > 0 else None,
+        topn_logprobs=ws.topn_logprobs[: B * n].view(B, n) if n > 0 else None,
+        nan_rows=ws.nan_rows[:B],
+        kept_count=ws.kept_count[:B],
+        kept_threshold=ws.kept_threshold[:B],
+        fallback_rows=ws.fallback_rows[:B],
+    )
+
+
+_WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+
+
+def warm_up(
+    template: SamplingParamsTensors,
+    workspace: SamplingWorkspace,
+    dtype: torch.dtype,
+    *,
+    param_sets: tuple[tuple[str, ...], ...],
+    num_logprobs: int | None,
+    logprobs_mode: str = "raw_logprobs",
+) -> int:
+    """Compile (by launching on zero logits) the kernel variants of every parameter set in
+    `param_sets` at every launch configuration of batches up to `workspace.max_batch`, with the
+    seed and slot arguments shaped as in `template` (a real call's parameters: the caller's
+    vLLM sampler) and no penalties, bias or min-p. Returns the number of calls.
+
+    For a serving engine's start-up (a variant first met while serving stalls that step for the
+    compile): which parameters a batch carries decides which variant runs, and the batch size
+    decides its launch configuration."""
+    device, vocab = workspace.device, workspace.vocab
+    calls = 0
+    for b in launch_batches(workspace.max_batch, vocab):
+        logits = torch.zeros(b, vocab, dtype=dtype, device=device)
+        rows = dict(device=device)
+        base = SamplingParamsTensors(
+            state_slots=None
+            if template.state_slots is None
+            else torch.zeros(b, dtype=template.state_slots.dtype, **rows),
+            seeds=None if template.seeds is None else torch.zeros(b, dtype=torch.int64, **rows),
+            has_seed=None if template.has_seed is None else torch.ones(b, dtype=torch.bool, **rows),
+            seed_offsets=None
+            if template.seed_offsets is None
+            else torch.zeros(b, dtype=torch.int64, **rows),
+        )
+        for fields in param_sets:
+            p = dataclasses.replace(base)
+            for name in fields:
+                dt = torch.int32 if name == "top_k" else torch.float32
+                setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, **rows))
+            fused_sample(
+                logits, p, workspace=workspace, num_logprobs=num_logprobs,
+                logprobs_mode=logprobs_mode,
+            )  # fmt: skip
+            calls += 1
+    return calls
