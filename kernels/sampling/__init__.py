@@ -68,14 +68,28 @@ V1 differs from V2 in ways the plugin must route: V1 draws exponential noise fro
 generators (draws cannot match bit for bit), keeps exactly k in its Triton top-k, and an
 all-greedy V1 batch returns processed logprobs without the top-k/top-p masks.
 
-Modules: `chunk` and `combine` (the two Triton kernels), `select` and `penalties` (their
-building blocks), `params` (the argument bundles), `plan` (constants, launch rule), `workspace`,
-`checks`, `ops` (the entry points), `reference`.
+Modules: `chunk` and `combine` (the two Triton kernels); `keys`, `tiles`, `search` and
+`penalties` (their building blocks); `params` (the argument bundles), `plan` (constants, launch
+rule), `workspace`, `checks`, `ops` (the entry points), `reference`.
 """
 
 from __future__ import annotations
 
-from . import checks, chunk, combine, ops, params, penalties, plan, reference, select, workspace
+from . import (
+    checks,
+    chunk,
+    combine,
+    keys,
+    ops,
+    params,
+    penalties,
+    plan,
+    reference,
+    search,
+    tiles,
+    workspace,
+)
+from .keys import SAMPLING_EPS
 from .ops import (
     fused_sample,
     warm_up,
@@ -119,7 +133,6 @@ from .reference import (
     top_k_top_p_reference,
     unpack_bin_mask,
 )
-from .select import SAMPLING_EPS
 from .workspace import (
     ARITH_MODES,
     SamplingWorkspace,
@@ -158,6 +171,7 @@ __all__ = [
     "combine",
     "fused_sample",
     "gumbel_noise_reference",
+    "keys",
     "launch_batches",
     "ops",
     "pack_bin_mask",
@@ -169,7 +183,8 @@ __all__ = [
     "process_logits_reference",
     "reference",
     "sample_reference",
-    "select",
+    "search",
+    "tiles",
     "top_k_top_p_reference",
     "unpack_bin_mask",
     "warm_up",

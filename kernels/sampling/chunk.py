@@ -6,19 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .keys import KEY_NEG_INF, KEY_NO_BOUND, LN2, LOG2E, gumbel
 from .penalties import penalize_words
-from .select import (
-    KEY_NEG_INF,
-    KEY_NO_BOUND,
-    LN2,
-    LOG2E,
-    argmax2d,
-    finite_count,
-    gumbel,
-    load_row_params,
-    process_tile,
-    select_candidates,
-)
+from .search import select_candidates
+from .tiles import argmax2d, finite_count, load_row_params, process_tile
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)

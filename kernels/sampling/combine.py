@@ -7,15 +7,9 @@ import triton
 import triton.language as tl
 
 from .chunk import _EMPTY, _INT64_MIN, _KEY_NEG_INF, _KEY_NO_BOUND, _LN2, _LOG2E
-from .select import (
-    gumbel,
-    key,
-    load_row_params,
-    process_tile,
-    row_search,
-    search_list,
-    unkey,
-)
+from .keys import gumbel, key, unkey
+from .search import row_search, search_list
+from .tiles import load_row_params, process_tile
 
 
 @triton.jit

@@ -7,7 +7,7 @@ DRAM. When the caller lets the logits be overwritten (vLLM's V1 sampler penalize
 logits in place as well), each chunk program first walks the set bits of its chunk's packed
 words (`penalize_words`: one word per lane, lowest bit first), rewrites only the seen tokens,
 and then reads its chunk as the plain variant does: the rewritten sectors are still in cache.
-Per token the arithmetic and its order are those of `select._process`, so both paths
+Per token the arithmetic and its order are those of `tiles._process`, so both paths
 give bit-identical values.
 """
 

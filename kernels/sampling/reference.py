@@ -7,10 +7,10 @@ import torch
 
 from .._checks import check_choice
 from .._launch import cdiv
+from .keys import SAMPLING_EPS
 from .params import SampleOutput, SamplingParamsTensors
 from .penalties import GROUP
 from .plan import LOGPROBS_MODES
-from .select import SAMPLING_EPS
 
 _M32 = 0xFFFFFFFF
 
