@@ -37,10 +37,12 @@ def register() -> None:
     selection = kernels_from_env()  # raises FuselaneConfigError, stopping vLLM's start-up
     if _selection is not None:
         return
-    # fuselane.kernels' package init picks Triton's interpreter when there is no GPU. Doing it
-    # here sets TRITON_INTERPRET for the engine processes vLLM spawns from this one, before
-    # they import Triton (the kernel modules themselves are not imported yet).
-    import fuselane.kernels  # noqa: F401
+    # Without a GPU the kernels run under Triton's interpreter. Choosing it here sets
+    # TRITON_INTERPRET for the engine processes vLLM spawns from this one, before they import
+    # Triton (the kernel modules themselves are not imported yet).
+    from fuselane.kernels import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
 
     from . import selector, telemetry, vllm_compat
 

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything imports the kernels: without a GPU they run under Triton's interpreter.
+    from fuselane.kernels import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,9 +1,6 @@
 """Test-wide set-up: kernels run under the Triton interpreter when no GPU is present."""
 
-import os
-
-import torch
+from fuselane.kernels import use_interpreter_without_gpu
 
 # Must happen before any module defines a @triton.jit function.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+use_interpreter_without_gpu()

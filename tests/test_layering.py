@@ -96,3 +96,20 @@ def test_the_walk_finds_a_leak(tmp_path, monkeypatch, source, folder, name):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
     found = _violations(folder, lambda rel, n: _top(n) in STDLIB)
     assert found == [f"{folder}/sub/leak.py:1 imports {name}"]
+
+
+def test_importing_the_kernels_changes_no_process_setting():
+    """The interpreter is chosen by the places that start work, not by an import."""
+    import os
+    import subprocess
+
+    code = (
+        "import os, fuselane.kernels.attention, fuselane.kernels.kv_cache, "
+        "fuselane.kernels.sampling; print(os.environ.get('TRITON_INTERPRET'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None"
