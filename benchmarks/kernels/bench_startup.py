@@ -46,7 +46,7 @@ except ImportError:
 
 HQ, HKV, D, PAGE, VOCAB, MAX_SEQS = 32, 8, 128, 16, 128256, 256
 WORKERS = 8
-# The sampler hook's V1 parameter sets (plugin/sampler_hook.py V1_WARM_PARAM_SETS).
+# The sampler hook's V1 parameter sets (plugin/sampler_common.py V1_WARM_PARAM_SETS).
 PARAM_SETS = (
     ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
     ("temperature", "top_k"),

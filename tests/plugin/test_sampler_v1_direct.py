@@ -1,4 +1,4 @@
-"""fuselane's V1 sampler (plugin/sampler_hook.py, `make_v1_sampler`) called directly on vLLM's
+"""fuselane's V1 sampler (plugin/sampler_v1.py, `make_v1_sampler`) called directly on vLLM's
 own V1 `Sampler` class and `SamplingMetadata` (no engine): rows with NaN logits stay on the
 fused path, without a host sync, and never draw a NaN token."""
 
@@ -13,7 +13,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from fuselane.plugin import sampler_hook
+from fuselane.plugin import sampler_common, sampler_hook
 
 
 def _metadata(temperature: list[float], top_k: list[int]) -> SamplingMetadata:
@@ -68,7 +68,7 @@ def test_a_kernel_failing_its_warm_up_sends_every_batch_to_vllms_sampler(monkeyp
         raise RuntimeError("PTX .version 9.4 does not support .target sm_90a")
 
     monkeypatch.setattr(warmup, "once", fails)
-    monkeypatch.setattr(sampler_hook, "_fused_off", None)
+    monkeypatch.setattr(sampler_common, "_fused_off", None)
     vocab = 64
     sampler = sampler_hook.make_v1_sampler(Sampler)(logprobs_mode="raw_logprobs")
     stock = Sampler(logprobs_mode="raw_logprobs")

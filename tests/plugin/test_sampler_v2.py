@@ -1,4 +1,4 @@
-"""fuselane's V2 sampler (plugin/sampler_hook.py, `make_v2_sampler`) against vLLM's stock V2
+"""fuselane's V2 sampler (plugin/sampler_v2.py, `make_v2_sampler`) against vLLM's stock V2
 sampler, driven directly with constructed inputs (no engine).
 
 tests/plugin/v2_sampler_runner.py runs in a fresh process per vLLM version: it installs the
