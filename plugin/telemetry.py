@@ -54,221 +54,74 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import threading
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import faults, kernel_timing, metrics_export, numerics
+from .telemetry_config import (
+    ATTENTION,
+    DECODE,
+    ERROR_CAP,
+    FUSELANE,
+    IMPLS,
+    KERNELS,
+    KV_CACHE,
+    MIXED,
+    PHASES,
+    PREFILL,
+    ROPE_KV_CACHE,
+    SAMPLING,
+    SITE_INDEX,
+    SITES,
+    STOCK,
+    UNKNOWN,
+    TelemetryConfig,
+    TelemetryConfigError,
+    stride_for,
+)
+from .telemetry_metrics import kernel_metrics
 
 log = logging.getLogger("vllm.plugins.fuselane.telemetry")
 
-ENV_VAR = "FUSELANE_TELEMETRY"
-TIMING_RATE_ENV = "FUSELANE_TELEMETRY_TIMING_RATE"
-CHECK_RATE_ENV = "FUSELANE_TELEMETRY_CHECK_RATE"
-GRAPH_PROBE_EVERY_ENV = "FUSELANE_TELEMETRY_GRAPH_PROBE_EVERY"
-FLUSH_ENV = "FUSELANE_TELEMETRY_FLUSH_S"
+__all__ = [
+    "ATTENTION",
+    "DECODE",
+    "FUSELANE",
+    "KV_CACHE",
+    "MIXED",
+    "PHASES",
+    "PREFILL",
+    "ROPE_KV_CACHE",
+    "SAMPLING",
+    "SITES",
+    "SITE_INDEX",
+    "STOCK",
+    "Seam",
+    "Telemetry",
+    "TelemetryConfig",
+    "TelemetryConfigError",
+    "config",
+    "count_direct_launch_fallback",
+    "flush",
+    "get",
+    "graph_tracker",
+    "kernel_metrics",
+    "note_step",
+    "phase_of",
+    "prepare",
+    "reset",
+    "seam",
+    "step_phase",
+    "stride_for",
+]
 
-DEFAULT_TIMING_RATE = 0.01
-DEFAULT_CHECK_RATE = 0.001
-# One probed call per kernel and phase in a 32-layer model's graph: each probe pair is two extra
-# graph nodes (~0.55 us each on an H200), so density, not the sampling rate, is the cost.
-DEFAULT_GRAPH_PROBE_EVERY = 32
-DEFAULT_FLUSH_S = 1.0
-
-ATTENTION, KV_CACHE, ROPE_KV_CACHE, SAMPLING = "attention", "kv_cache", "rope_kv_cache", "sampling"
-KERNELS = (ATTENTION, KV_CACHE, ROPE_KV_CACHE, SAMPLING)
-PREFILL, DECODE, MIXED, UNKNOWN = "prefill", "decode", "mixed", "unknown"
-PHASES = (PREFILL, DECODE, MIXED, UNKNOWN)
-FUSELANE, STOCK = "fuselane", "stock"
-IMPLS = (FUSELANE, STOCK)
-SITES: tuple[tuple[str, str, str], ...] = tuple(
-    (k, p, i) for k in KERNELS for p in PHASES for i in IMPLS
-)
-SITE_INDEX = {site: n for n, site in enumerate(SITES)}
-
-_ON = ("1", "on", "true", "yes")
-_OFF = ("", "0", "off", "false", "no")
-
-# Latency buckets (s): 1 us (a small GPU kernel) to 10 s (an interpreted kernel on a CPU).
-LATENCY_BUCKETS = (*(m * 10.0**e for e in range(-6, 1) for m in (1, 2, 5)), 10.0)
-# Error buckets: exact (le="0": bit-exact copies) through gross corruption.
-ERROR_BUCKETS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0)
-# Observed errors are clamped here so that histogram sums stay finite.
-ERROR_CAP = 1e30
-
-
-class TelemetryConfigError(ValueError):
-    """A bad FUSELANE_TELEMETRY* value; the message names the variable and what it takes."""
-
-
-@dataclass(frozen=True)
-class TelemetryConfig:
-    enabled: bool = False
-    timing_rate: float = DEFAULT_TIMING_RATE
-    check_rate: float = DEFAULT_CHECK_RATE
-    graph_probe_every: int = DEFAULT_GRAPH_PROBE_EVERY
-    flush_interval_s: float = DEFAULT_FLUSH_S
-    port: tuple[str, int] | None = None
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> TelemetryConfig:
-        env = os.environ if environ is None else environ
-        raw = env.get(ENV_VAR, "").strip().lower()
-        if raw not in _ON + _OFF:
-            raise TelemetryConfigError(
-                f"{ENV_VAR}={env.get(ENV_VAR)!r}: expected one of {', '.join(_ON)} (on) or "
-                f"{', '.join(repr(v) for v in _OFF)} (off)"
-            )
-        try:
-            port = metrics_export.parse_port(env.get(metrics_export.PORT_ENV))
-        except ValueError as e:
-            raise TelemetryConfigError(str(e)) from None
-        return cls(
-            enabled=raw in _ON,
-            timing_rate=_rate(env, TIMING_RATE_ENV, DEFAULT_TIMING_RATE),
-            check_rate=_rate(env, CHECK_RATE_ENV, DEFAULT_CHECK_RATE),
-            graph_probe_every=int(
-                _number(env, GRAPH_PROBE_EVERY_ENV, DEFAULT_GRAPH_PROBE_EVERY, 1)
-            ),
-            flush_interval_s=_number(env, FLUSH_ENV, DEFAULT_FLUSH_S, 0.01),
-            port=port,
-        )
-
-
-def _number(env: Any, name: str, default: float, low: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= low or math.isinf(value):
-        raise TelemetryConfigError(f"{name}={raw!r}: expected a number >= {low}")
-    return value
-
-
-def _rate(env: Any, name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise TelemetryConfigError(f"{name}={raw!r}: expected a fraction in [0, 1]")
-    return value
-
-
-def stride_for(rate: float) -> int:
-    """Every how many calls a sample is taken at `rate` (0: never)."""
-    return 0 if rate <= 0 else max(1, round(1.0 / rate))
-
-
-# ---------------------------------------------------------------------------------------------
-# Metric objects (one set per process: prometheus_client refuses duplicate registrations)
-# ---------------------------------------------------------------------------------------------
-
-
-class KernelMetrics:
-    """The `fuselane_*` metric families, with label children cached per site."""
-
-    def __init__(self) -> None:
-        from prometheus_client import Counter as PCounter
-        from prometheus_client import Gauge, Histogram
-
-        site = ["kernel", "phase", "impl"]
-        self.launches = PCounter(
-            "fuselane_kernel_launches_total",
-            "fuselane kernel launcher calls that ran (CUDA-graph replays included)",
-            site,
-        )
-        self.latency = Histogram(
-            "fuselane_kernel_latency_seconds",
-            "Sampled kernel latency: device time between probes (GPU), host time of the "
-            "synchronous launch (Triton interpreter)",
-            [*site, "launch"],
-            buckets=LATENCY_BUCKETS,
-        )
-        self.checks = PCounter(
-            "fuselane_numerical_checks_total",
-            "Sampled kernel calls recomputed with the torch reference, by result",
-            [*site, "result"],
-        )
-        self.abs_error = Histogram(
-            "fuselane_numerical_max_abs_error",
-            "Max absolute error of a checked call against the reference (output units)",
-            site,
-            buckets=ERROR_BUCKETS,
-        )
-        self.rel_error = Histogram(
-            "fuselane_numerical_max_rel_error_ratio",
-            "Max absolute error of a checked call over the reference's max magnitude",
-            site,
-            buckets=ERROR_BUCKETS,
-        )
-        self.nonfinite = PCounter(
-            "fuselane_numerical_nonfinite_total",
-            "Checked output elements that are NaN or inf where the reference is finite",
-            [*site, "kind"],
-        )
-        self.mismatched = PCounter(
-            "fuselane_numerical_mismatched_elements_total",
-            "Checked output elements outside the per-dtype tolerance",
-            site,
-        )
-        self.dropped = PCounter(
-            "fuselane_telemetry_dropped_total",
-            "Timing samples and numerical checks given up, by reason",
-            ["kernel", "reason"],
-        )
-        self.direct_fallbacks = PCounter(
-            "fuselane_direct_launch_fallbacks_total",
-            "Kernels switched at start-up from fuselane's direct launch to Triton's launcher "
-            "(their direct launch raised or differed from Triton's)",
-            ["kernel"],
-        )
-        self.rates = Gauge(
-            "fuselane_telemetry_sample_rate_ratio",
-            "Configured fraction of kernel calls timed / checked",
-            ["what"],
-            multiprocess_mode="max",
-        )
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
-
-
-_metrics: KernelMetrics | None = None
-_metrics_lock = threading.Lock()
-
-
-def kernel_metrics() -> KernelMetrics:
-    global _metrics
-    with _metrics_lock:
-        if _metrics is None:
-            metrics_export.prepare_values()  # before the first metric object exists
-            _metrics = KernelMetrics()
-        return _metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# Step phase
-# ---------------------------------------------------------------------------------------------
 
 _step_phase = UNKNOWN
 
