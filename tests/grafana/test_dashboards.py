@@ -82,7 +82,7 @@ def _exported_kernel_series() -> set[str]:
     code = (
         "import json\n"
         "from prometheus_client import REGISTRY\n"
-        "from fuselane.plugin.telemetry import KernelMetrics\n"
+        "from fuselane.plugin.telemetry_metrics import KernelMetrics\n"
         "KernelMetrics()\n"
         "print(json.dumps([(f.name, f.type) for f in REGISTRY.collect()]))\n"
     )
