@@ -31,6 +31,7 @@ from fuselane.plugin import (
     kernel_timing,
     metrics_export,
     numerics,
+    numerics_attention,
     sampling_state,
     telemetry,
 )
@@ -460,7 +461,7 @@ def test_sampling_check_of_penalties_written_in_place(tel):
 
 
 def test_attention_snapshot_too_large_is_dropped(tel, monkeypatch):
-    monkeypatch.setattr(numerics, "MAX_SNAPSHOT_BYTES", 1024)
+    monkeypatch.setattr(numerics_attention, "MAX_SNAPSHOT_BYTES", 1024)
     labels = dict(kernel="attention", reason="check_too_large")
     dropped = value("fuselane_telemetry_dropped_total", **labels)
     args, kwargs = attention_inputs()
