@@ -12,34 +12,45 @@ same requests. Written to `--out`: `requests.jsonl` (the request log, one line p
 `comparison.md` (each metric of each endpoint next to the baseline's, with the ratio) and, when
 matplotlib is installed, `latency.png` and `throughput.png`.
 
-Metric definitions are `vllm bench serve`'s (vllm/benchmarks/serve.py, `calculate_metrics`), so
-numbers can be set side by side with it:
-- TTFT: send to first output chunk; E2EL: send to last output chunk;
-- TPOT: (E2EL - TTFT) / (output tokens - 1), over requests with more than one output token;
-- ITL: every gap between consecutive output chunks, pooled over requests;
-- throughputs divide by the run's duration (first release to last completion): completed
-  requests, output tokens (the usage field's), input + output tokens;
-- goodput: completed requests per second meeting every SLO given (`ttft`, `tpot`, `e2el` in ms;
-  TPOT counts as 0 for one-token outputs);
-- mean, median, population std and linear-interpolation percentiles, in ms.
+This module holds the command line (`add_parser`, `build_parser`, `main`, `cmd_bench_serve`);
+the rest is split by concern:
+- `bench_serve_metrics`: `summarize` and the metric definitions (`vllm bench serve`'s);
+- `bench_serve_sweep`: sweep points and `run_sweep`;
+- `bench_serve_report`: results JSON, request log, comparison table, plots.
+Their public names are re-exported here, the names callers have always used
+(`bench_serve.summarize`, `bench_serve.load_request_log`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as _dt
-import json
 import math
-import platform
-import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib import metadata
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from fuselane.serving.bench_serve_metrics import (
+    GOODPUT_KEYS,
+    LATENCY_METRICS,
+    METRIC_NAMES,
+    input_tokens,
+    output_tokens,
+    parse_goodput,
+    percentile,
+    percentile_key,
+    summarize,
+)
+from fuselane.serving.bench_serve_report import (
+    comparison_table,
+    load_request_log,
+    server_info,
+    versions,
+    write_plots,
+    write_results,
+)
+from fuselane.serving.bench_serve_sweep import Run, SweepOptions, SweepPoint, run_sweep
 from fuselane.serving.datasets import (
     LengthSpec,
     LocalTokenizer,
@@ -49,457 +60,42 @@ from fuselane.serving.datasets import (
     load_dataset,
     synthetic_requests,
 )
-from fuselane.serving.loadgen import (
-    Endpoint,
-    LoadResult,
-    RequestRecord,
-    RequestSpec,
-    make_client,
-    resolve_model,
-    run_load,
-    wait_ready,
-)
+from fuselane.serving.loadgen import Endpoint, make_client, resolve_model, wait_ready
 
 if TYPE_CHECKING:  # imported where requests are sent, so that `fuselane --help` needs no httpx
     import httpx
 
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-METRIC_NAMES = {
-    "ttft": "TTFT",
-    "tpot": "TPOT",
-    "itl": "ITL",
-    "e2el": "E2EL",
-}
-GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+N = TypeVar("N", int, float)  # what a numeric option parses to
 
-
-# ----------------------------------------------------------------------------------- metrics
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """numpy.percentile's default (linear interpolation between closest ranks); 0 if empty,
-    as vLLM reports an empty metric."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    rank = (len(xs) - 1) * p / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
-
-def percentile_key(p: float) -> str:
-    """vLLM's key spelling: p99, p99.9."""
-    return f"p{int(p)}" if int(p) == p else f"p{p}"
-
-
-def output_tokens(rec: RequestRecord) -> int:
-    """The server's completion token count; the chunk count only if the server sent no usage."""
-    return rec.completion_tokens if rec.completion_tokens is not None else len(rec.chunk_s)
-
-
-def input_tokens(rec: RequestRecord) -> int:
-    """The server's prompt token count, else the planned one (0 if unknown)."""
-    if rec.prompt_tokens is not None:
-        return rec.prompt_tokens
-    return rec.prompt_len or 0
-
-
-def summarize(
-    records: Sequence[RequestRecord],
-    duration_s: float,
-    percentiles: Sequence[float] = (50, 90, 99),
-    goodput: Mapping[str, float] | None = None,
-) -> dict[str, Any]:
-    """The metrics of one run, computed from its request log (keys as in vLLM's result JSON)."""
-    done = [r for r in records if r.ok]
-    ttfts = [r.chunk_s[0] for r in done]
-    e2els = [r.chunk_s[-1] for r in done]
-    itls = [gap for r in done for gap in r.itl_s]
-    tpots, all_tpots = [], []
-    for r in done:
-        n = output_tokens(r)
-        tpot = (r.chunk_s[-1] - r.chunk_s[0]) / (n - 1) if n > 1 else 0.0
-        if n > 1:
-            tpots.append(tpot)
-        all_tpots.append(tpot)  # vLLM: one-token outputs meet any TPOT SLO
-    total_in = sum(input_tokens(r) for r in done)
-    total_out = sum(output_tokens(r) for r in done)
-    good = 0
-    if goodput:
-        per_req = {"ttft": ttfts, "tpot": all_tpots, "e2el": e2els}
-        for i in range(len(done)):
-            if all(per_req[k][i] <= slo_ms / 1000.0 for k, slo_ms in goodput.items()):
-                good += 1
-    dur = duration_s if duration_s > 0 else float("nan")
-    out: dict[str, Any] = {
-        "duration": duration_s,
-        "requests": len(records),
-        "completed": len(done),
-        "failed": len(records) - len(done),
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(done) / dur,
-        "request_goodput": good / dur if goodput else None,
-        "output_throughput": total_out / dur,
-        "total_token_throughput": (total_in + total_out) / dur,
-        # Requests whose output count fell back to chunks (no usage field from the server).
-        "output_tokens_without_usage": sum(1 for r in done if r.completion_tokens is None),
-    }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        out[f"mean_{name}_ms"] = statistics.fmean(values) * 1000 if values else 0.0
-        out[f"median_{name}_ms"] = percentile(values, 50) * 1000
-        out[f"std_{name}_ms"] = statistics.pstdev(values) * 1000 if values else 0.0
-        for p in percentiles:
-            out[f"{percentile_key(p)}_{name}_ms"] = percentile(values, p) * 1000
-    out.update(_peaks(done))
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            key = f"{r.status}: {r.error[:120]}"
-            errors[key] = errors.get(key, 0) + 1
-    out["errors"] = errors
-    return out
-
-
-def _peaks(done: Sequence[RequestRecord]) -> dict[str, float]:
-    """vLLM's peak output chunks per one-second bucket and peak requests active in a bucket."""
-    if not done:
-        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
-    t0 = min(r.start_s for r in done)
-    n = math.ceil(max(r.start_s + r.chunk_s[-1] for r in done) - t0) + 1
-    tokens, active = [0] * n, [0] * n
-    for r in done:
-        for c in r.chunk_s:
-            tokens[int(r.start_s + c - t0)] += 1
-        for s in range(int(r.start_s - t0), int(r.start_s + r.chunk_s[-1] - t0) + 1):
-            active[s] += 1
-    return {"max_output_tokens_per_s": float(max(tokens)), "max_concurrent_requests": max(active)}
-
-
-def parse_goodput(pairs: Iterable[str]) -> dict[str, float]:
-    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        try:
-            ms = float(value) if sep else math.nan
-        except ValueError:
-            ms = math.nan
-        if name not in GOODPUT_KEYS or math.isnan(ms) or ms < 0:
-            raise ValueError(
-                f"bad SLO {pair!r}: write NAME:MS with NAME one of {', '.join(GOODPUT_KEYS)} "
-                "and MS a non-negative number of milliseconds, e.g. ttft:500"
-            )
-        slos[name] = ms
-    return slos
-
-
-# ----------------------------------------------------------------------------------- sweeps
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    request_rate: float = math.inf
-    max_concurrency: int | None = None
-
-    @property
-    def name(self) -> str:
-        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        conc = "unlimited" if self.max_concurrency is None else str(self.max_concurrency)
-        return f"rate={rate} req/s, concurrency={conc}"
-
-
-@dataclass
-class Run:
-    point: SweepPoint
-    result: LoadResult
-    summary: dict[str, Any]
-
-
-@dataclass
-class SweepOptions:
-    api: str = "completions"
-    burstiness: float = 1.0
-    percentiles: Sequence[float] = (50, 90, 99)
-    goodput: Mapping[str, float] = field(default_factory=dict)
-    ignore_eos: bool = True
-    max_duration_s: float | None = None
-    request_timeout_s: float = 300.0
-    warmup: int = 1
-    seed: int = 0
-    progress: bool = True
-    extra_body: Mapping[str, Any] = field(default_factory=dict)
-
-
-async def run_sweep(
-    endpoints: Sequence[Endpoint],
-    requests: Sequence[RequestSpec],
-    points: Sequence[SweepPoint],
-    opts: SweepOptions,
-    client: httpx.AsyncClient,
-) -> list[Run]:
-    """Each point against each endpoint in turn, same requests and arrival times. Endpoints are
-    interleaved per point and the first one rotates from point to point, so neither a drift of
-    the machine over the sweep nor going first favours one endpoint."""
-    runs: list[Run] = []
-    for ep in endpoints:
-        if opts.warmup > 0:
-            # Not measured: first requests pay for lazy initialisation on some servers.
-            warm = [RequestSpec(r.prompt, r.output_len, r.prompt_len) for r in requests[:1]]
-            await run_load(
-                ep,
-                warm * opts.warmup,
-                api=opts.api,  # type: ignore[arg-type]
-                max_concurrency=1,
-                request_timeout_s=opts.request_timeout_s,
-                ignore_eos=opts.ignore_eos,
-                extra_body=opts.extra_body,
-                client=client,
-            )
-    for k, point in enumerate(points):
-        shift = k % len(endpoints)
-        for ep in [*endpoints[shift:], *endpoints[:shift]]:
-            result = await run_load(
-                ep,
-                requests,
-                api=opts.api,  # type: ignore[arg-type]
-                request_rate=point.request_rate,
-                burstiness=opts.burstiness,
-                max_concurrency=point.max_concurrency,
-                max_duration_s=opts.max_duration_s,
-                request_timeout_s=opts.request_timeout_s,
-                ignore_eos=opts.ignore_eos,
-                extra_body=opts.extra_body,
-                seed=opts.seed,
-                progress=opts.progress,
-                client=client,
-            )
-            summary = summarize(result.records, result.duration_s, opts.percentiles, opts.goodput)
-            summary["not_sent"] = result.not_sent
-            runs.append(Run(point, result, summary))
-    return runs
-
-
-# ----------------------------------------------------------------------------------- reports
-
-
-def _comparison_rows(percentiles: Sequence[float], goodput: bool) -> list[tuple[str, str, str]]:
-    """(summary key, row title, which direction is better)."""
-    rows = [
-        ("completed", "completed requests", "higher"),
-        ("failed", "failed requests", "lower"),
-        ("request_throughput", "request throughput (req/s)", "higher"),
-        ("output_throughput", "output throughput (tok/s)", "higher"),
-        ("total_token_throughput", "total token throughput (tok/s)", "higher"),
-    ]
-    if goodput:
-        rows.append(("request_goodput", "goodput (req/s)", "higher"))
-    for m in LATENCY_METRICS:
-        rows.append((f"mean_{m}_ms", f"mean {METRIC_NAMES[m]} (ms)", "lower"))
-        for p in percentiles:
-            key = percentile_key(p)
-            rows.append((f"{key}_{m}_ms", f"{key.upper()} {METRIC_NAMES[m]} (ms)", "lower"))
-    return rows
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, int):
-        return str(v)
-    return f"{v:.2f}" if abs(v) < 1e5 else f"{v:.3g}"
-
-
-def comparison_table(
-    runs: Sequence[Run],
-    baseline: str,
-    percentiles: Sequence[float] = (50, 90, 99),
-    goodput: bool = False,
-) -> str:
-    """Markdown: per sweep point, each metric of every endpoint and its ratio to `baseline`."""
-    labels = list(dict.fromkeys(r.result.label for r in runs))
-    others = [lb for lb in labels if lb != baseline]
-    out = []
-    for point in dict.fromkeys(r.point for r in runs):
-        by_label = {r.result.label: r.summary for r in runs if r.point == point}
-        base = by_label.get(baseline)
-        head = ["metric", *labels, *(f"{o}/{baseline}" for o in others), "better"]
-        out.append(f"### {point.name}\n")
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        for key, title, better in _comparison_rows(percentiles, goodput):
-            cells = [title, *(_fmt(by_label.get(lb, {}).get(key)) for lb in labels)]
-            for o in others:
-                b = base.get(key) if base else None
-                v = by_label.get(o, {}).get(key)
-                cells.append(f"{v / b:.3f}" if b and v is not None else "-")
-            cells.append(better)
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)
-
-
-def write_plots(runs: Sequence[Run], out_dir: Path, percentiles: Sequence[float]) -> list[Path]:
-    """latency.png (percentiles of each latency metric vs load, per endpoint) and
-    throughput.png; the x axis is the offered request rate when every point has a finite one,
-    else the achieved request throughput. Returns [] when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    offered = all(math.isfinite(r.point.request_rate) for r in runs)
-    xlabel = "offered request rate (req/s)" if offered else "achieved request throughput (req/s)"
-
-    def x(run: Run) -> float:
-        return run.point.request_rate if offered else run.summary["request_throughput"]
-
-    labels = list(dict.fromkeys(r.result.label for r in runs))
-    styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
-    for ax, metric in zip(axes.flat, LATENCY_METRICS, strict=True):
-        for ci, label in enumerate(labels):
-            mine = sorted((r for r in runs if r.result.label == label), key=x)
-            for pi, p in enumerate(percentiles):
-                key = f"{percentile_key(p)}_{metric}_ms"
-                ax.plot(
-                    [x(r) for r in mine],
-                    [r.summary[key] for r in mine],
-                    linestyle=styles[pi % len(styles)],
-                    marker="o",
-                    color=f"C{ci}",
-                    label=f"{label} {percentile_key(p)}",
-                )
-        ax.set_title(f"{METRIC_NAMES[metric]} percentiles")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("ms")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    paths = [out_dir / "latency.png", out_dir / "throughput.png"]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
-    for ci, label in enumerate(labels):
-        mine = sorted((r for r in runs if r.result.label == label), key=x)
-        ax.plot(
-            [x(r) for r in mine],
-            [r.summary["output_throughput"] for r in mine],
-            marker="o",
-            color=f"C{ci}",
-            label=label,
-        )
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("output token throughput")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version(), "platform": platform.platform()}
-    for dist in ("fuselane", "httpx", "tqdm", "matplotlib", "tokenizers"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
-async def server_info(client: httpx.AsyncClient, ep: Endpoint) -> dict[str, Any]:
-    """What the endpoint says about itself: `/v1/models` and, if it has one, `/version`."""
-    import httpx
-
-    info: dict[str, Any] = {"url": ep.base_url, "models": (await wait_ready(client, ep, 5))}
-    try:
-        resp = await client.get(ep.base_url.rstrip("/") + "/version", headers=dict(ep.headers))
-        if resp.status_code == 200:
-            info["version"] = resp.json()
-    except (httpx.HTTPError, ValueError):
-        pass
-    return info
-
-
-def load_request_log(path: str | Path) -> list[tuple[dict[str, Any], RequestRecord]]:
-    """Read `requests.jsonl` back: (the run's point, the record) per line."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        d = json.loads(line)
-        rows.append((d.pop("run"), RequestRecord.from_json(d)))
-    return rows
-
-
-def write_results(
-    out_dir: Path,
-    runs: Sequence[Run],
-    args: Mapping[str, Any],
-    info: Mapping[str, Any],
-    baseline: str,
-    percentiles: Sequence[float],
-    goodput: Mapping[str, float],
-) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / "requests.jsonl"
-    with log.open("w") as f:
-        for i, run in enumerate(runs):
-            tag = _run_tag(i, run)
-            for rec in run.result.records:
-                f.write(json.dumps({"run": tag, **rec.to_json()}) + "\n")
-    results = {
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "versions": versions(),
-        "args": dict(args),
-        "servers": dict(info),
-        "baseline": baseline,
-        "request_log": log.name,
-        "runs": [
-            {
-                **_run_tag(i, run),
-                "model": run.result.model,
-                "api": run.result.api,
-                "burstiness": run.result.burstiness,
-                "started_at": run.result.started_at,
-                **run.summary,
-            }
-            for i, run in enumerate(runs)
-        ],
-    }
-    paths = {
-        "log": log,
-        "results": out_dir / "results.json",
-        "comparison": out_dir / "comparison.md",
-    }
-    paths["results"].write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
-    paths["comparison"].write_text(
-        comparison_table(runs, baseline, percentiles, bool(goodput)) + "\n"
-    )
-    for p in write_plots(runs, out_dir, percentiles):
-        paths[p.stem] = p
-    return paths
-
-
-def _run_tag(i: int, run: Run) -> dict[str, Any]:
-    rate = run.point.request_rate
-    return {
-        "run": i,
-        "label": run.result.label,
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "max_concurrency": run.point.max_concurrency,
-    }
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-# ----------------------------------------------------------------------------------- CLI
+# The helper modules' public names stay importable from here: callers (the fuselane CLI, the
+# end-to-end benchmarks, the tests) use `bench_serve.summarize`, `bench_serve.load_request_log`...
+__all__ = [
+    "DESCRIPTION",
+    "GOODPUT_KEYS",
+    "LATENCY_METRICS",
+    "METRIC_NAMES",
+    "Run",
+    "SweepOptions",
+    "SweepPoint",
+    "add_parser",
+    "build_parser",
+    "cmd_bench_serve",
+    "comparison_table",
+    "configure_parser",
+    "input_tokens",
+    "load_request_log",
+    "main",
+    "output_tokens",
+    "parse_goodput",
+    "percentile",
+    "percentile_key",
+    "run_sweep",
+    "server_info",
+    "summarize",
+    "versions",
+    "write_plots",
+    "write_results",
+]
 
 
 def _endpoint_spec(text: str) -> tuple[str, str]:
@@ -529,34 +125,31 @@ def _header_spec(text: str) -> tuple[str | None, str, str]:
     return (label if colon else None), name.strip(), value
 
 
-def _rate(text: str) -> float:
+def _number(text: str, parse: Callable[[str], N], ok: Callable[[N], bool], expected: str) -> N:
+    """`parse(text)` if it parses and passes `ok`, else the usage error "'TEXT': EXPECTED"."""
     try:
-        v = float(text)
+        v: N | None = parse(text)
     except ValueError:
-        v = math.nan
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a request rate is a number > 0 or 'inf'")
+        v = None
+    if v is None or not ok(v):
+        raise argparse.ArgumentTypeError(f"{text!r}: {expected}")
     return v
+
+
+def _rate(text: str) -> float:
+    return _number(text, float, lambda v: v > 0, "a request rate is a number > 0 or 'inf'")
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return v
+    return _number(text, int, lambda v: v >= 1, "expected an integer >= 1")
 
 
 def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0")
-    return v
+    return _number(text, float, lambda v: v > 0, "expected a number > 0")
+
+
+def _percentile_arg(text: str) -> float:
+    return _number(text, float, lambda v: 0 <= v <= 100, "a percentile is a number from 0 to 100")
 
 
 def _length(text: str) -> LengthSpec:
@@ -564,16 +157,6 @@ def _length(text: str) -> LengthSpec:
         return LengthSpec.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _percentile_arg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"{text!r}: a percentile is a number from 0 to 100")
-    return v
 
 
 def _goodput_arg(text: str) -> str:
