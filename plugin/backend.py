@@ -24,6 +24,7 @@ the backend accepts every layout (`supported_kv_cache_layouts` stays None).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -102,6 +103,15 @@ class FuselaneAttentionMetadata:
     workspace: Any
     min_query_len: int = 0
     phase: str | None = None  # decode / prefill / mixed for telemetry (None: telemetry off)
+
+    @functools.cached_property
+    def batch(self) -> attn_kernels.PagedBatch:
+        """The kernels' view of this step (built once, by the step's first layer; its tensors
+        are the same objects every layer passes, which lets later layers replay launches)."""
+        return attn_kernels.PagedBatch(
+            self.query_start_loc, self.seq_lens, self.block_table, self.max_query_len,
+            self.min_query_len, self.max_seq_len,
+        )  # fmt: skip
 
 
 class FuselaneAttentionMetadataBuilder(vc.AttentionMetadataBuilder):
@@ -208,6 +218,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         self._fuselane_kv_write = active_selection().backend_writes_kv_cache
         self._fuselane_warmed = False
         self._fuselane_checked = False
+        self._fuselane_opts: attn_kernels.AttentionOptions | None = None
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         return False
@@ -217,6 +228,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
         # Sinks are learned per-head logits; the kernel reads them as fp32.
         if self.sinks is not None and self.sinks.dtype != torch.float32:
             self.sinks = self.sinks.detach().float()
+        self._fuselane_opts = None  # built again from the loaded sinks
 
     def forward(
         self,
@@ -252,32 +264,39 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
             # length (graph padding) are not written.
             if self._fuselane_kv_write:
                 self._fuselane_write(
-                    key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale
+                    kv_kernels.KVWrite(
+                        key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale
+                    )
                 )
             else:
                 self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
-        args = (query[:n], key_cache, value_cache, output[:n], md.query_start_loc, md.seq_lens,
-                md.block_table)  # fmt: skip
-        options = dict(
-            max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            min_query_len=md.min_query_len,
-            scale=self.scale,
-            sliding_window=self._fuselane_window,
-            softcap=self.logits_soft_cap or 0.0,
-            sinks=self.sinks,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            workspace=md.workspace,
-        )
+        args = (query[:n], key_cache, value_cache, output[:n], md.batch,
+                self._fuselane_options(k_scale, v_scale), md.workspace)  # fmt: skip
         if self._fuselane_checked:
             # This layer's arguments were validated on its first call; what changes between
             # steps (batch sizes) is vLLM's contract. Saves host time on every eager layer.
-            _ATTENTION(md.phase, attn_kernels.paged_attention_unchecked, *args, **options)
+            _ATTENTION(md.phase, attn_kernels.attention_unchecked, *args)
         else:
-            _ATTENTION(md.phase, attn_kernels.paged_attention, *args, **options)
+            _ATTENTION(md.phase, attn_kernels.attention, *args)
             self._fuselane_checked = True
         return output
+
+    def _fuselane_options(
+        self, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+    ) -> attn_kernels.AttentionOptions:
+        """This layer's `AttentionOptions`, built once (its scales are the same tensors every
+        step; a new pair, after a reload, builds new options)."""
+        options = self._fuselane_opts
+        if options is None or options.k_scale is not k_scale or options.v_scale is not v_scale:
+            options = self._fuselane_opts = attn_kernels.AttentionOptions(
+                scale=self.scale,
+                sliding_window=self._fuselane_window,
+                softcap=self.logits_soft_cap or 0.0,
+                sinks=self.sinks,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        return options
 
     def _fuselane_warm_up(self, query, key_cache, value_cache, md, k_scale, v_scale) -> None:
         """Compile every attention variant of this layer configuration now (plugin/warmup.py);
@@ -298,12 +317,7 @@ class FuselaneAttentionImpl(FuselaneKVWriteMixin, vc.TritonAttentionImpl):
                 md.block_table[:1],
                 num_q_heads=query.shape[1],
                 q_dtype=query.dtype,
-                scale=self.scale,
-                sliding_window=self._fuselane_window,
-                softcap=softcap,
-                sinks=self.sinks,
-                k_scale=k_scale,
-                v_scale=v_scale,
+                options=self._fuselane_options(k_scale, v_scale),
                 workspace=md.workspace,
                 strict=selector.custom_named(),
             ),

@@ -20,9 +20,12 @@ and the switch works whether telemetry is on or off. The variable is parsed by
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fuselane.kernels.kv_cache import KVWrite, Rotary
 
 from .config import FAULT_INJECT_ENV_VAR as ENV_VAR
 from .config import faults_from_env, parse_fault_inject
@@ -65,43 +68,21 @@ def _corrupt_cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> None:
     view[block, offset] = torch.where(mask, bumped, rows)
 
 
-def corrupt_attention(result: Any, q: torch.Tensor, key_cache, value_cache, out, *a, **k) -> None:
-    del result, q, key_cache, value_cache, a, k
+def corrupt_attention(result: Any, q: torch.Tensor, key_cache, value_cache, out, *a) -> None:
+    """`a`: the call's batch, options and workspace (the damage needs none of them)."""
+    del result, q, key_cache, value_cache, a
     out.add_(OFFSET)
 
 
-def corrupt_kv_cache(
-    result: Any,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *a: Any,
-    **k: Any,
-) -> None:
-    del result, key, value, a, k
-    _corrupt_cache_rows(key_cache, slot_mapping)
-    _corrupt_cache_rows(value_cache, slot_mapping)
+def corrupt_kv_cache(result: Any, write: KVWrite) -> None:
+    del result
+    _corrupt_cache_rows(write.key_cache, write.slot_mapping)
+    _corrupt_cache_rows(write.value_cache, write.slot_mapping)
 
 
-def corrupt_rope_kv_cache(
-    result: Any,
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *a: Any,
-    **k: Any,
-) -> None:
-    del result, positions, query, key, value, cos_sin_cache, is_neox, a, k
-    _corrupt_cache_rows(key_cache, slot_mapping)
-    _corrupt_cache_rows(value_cache, slot_mapping)
+def corrupt_rope_kv_cache(result: Any, rotary: Rotary, write: KVWrite) -> None:
+    del rotary
+    corrupt_kv_cache(result, write)
 
 
 def corrupt_sampling(result: Any, logits: torch.Tensor, *a: Any, **k: Any) -> None:

@@ -159,30 +159,19 @@ class FuselaneKVWriteMixin:
             return None
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
-        self._fuselane_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        self._fuselane_write(
+            kv_kernels.KVWrite(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        )
         return None
 
-    def _fuselane_write(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> None:
+    def _fuselane_write(self, write: kv_kernels.KVWrite) -> None:
         """fuselane's write into the caches' K/V views, through the telemetry seam."""
         # Validated on this layer's first call only (as the attention call; host time per
         # layer is step time on vLLM's eager path).
-        write = (
-            kv_kernels.kv_cache_update_unchecked
-            if self._fuselane_write_checked
-            else kv_kernels.kv_cache_update
-        )
-        _KV_WRITE(
-            None, write, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-        )  # fmt: skip
+        if self._fuselane_write_checked:
+            _KV_WRITE(None, kv_kernels.kv_write_unchecked, write)
+        else:
+            _KV_WRITE(None, kv_kernels.kv_write, write)
         self._fuselane_write_checked = True
 
     def fused_rope_kvcache_supported(self) -> bool:
@@ -212,10 +201,13 @@ class FuselaneKVWriteMixin:
         key_cache, value_cache = self._fuselane_caches(kv_cache)
         k_scale, v_scale = self._fuselane_scales(layer)
         _ROPE_KV_WRITE(
-            None, kv_kernels.rope_kv_cache_update,
-            positions, query, key, value, cos_sin_cache, is_neox,
-            key_cache, value_cache, layer_slot_mapping, k_scale, v_scale,
-        )  # fmt: skip
+            None,
+            kv_kernels.rope_kv_write,
+            kv_kernels.Rotary(positions, query, cos_sin_cache, is_neox),
+            kv_kernels.KVWrite(
+                key, value, key_cache, value_cache, layer_slot_mapping, k_scale, v_scale
+            ),
+        )
         return None
 
 

@@ -1,11 +1,14 @@
 """The numerical check of paged attention: one sequence's last query rows against
-`paged_attention_reference`."""
+`attention_reference`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fuselane.kernels.attention import AttentionOptions, PagedBatch
 
 from .numerics_base import (
     ATTENTION_TOLERANCES,
@@ -27,7 +30,8 @@ class AttentionSnapshot(Snapshot):
     kernel = "attention"
 
     def check(self) -> Outcome | None:
-        from fuselane.kernels.attention import paged_attention_reference
+        # Imported here: the plugin loads the kernels only where a check runs.
+        from fuselane.kernels.attention import AttentionOptions, PagedBatch, attention_reference
 
         t, info = self.tensors, self.info
         cu0, cu1, seq_len = (int(v) for v in t["meta"].tolist())
@@ -42,16 +46,14 @@ class AttentionSnapshot(Snapshot):
         q = t["q"][rows - r :]
         out = t["out"][rows - r :]
         ref = torch.zeros(q.shape, dtype=torch.float32)
-        paged_attention_reference(
-            q,
-            k,
-            v,
-            ref,
+        batch = PagedBatch(
             torch.tensor([0, r], dtype=torch.int32),
             torch.tensor([seq_len], dtype=torch.int32),
             torch.arange(num_pages, dtype=torch.int32)[None],
             max_query_len=r,
             max_seq_len=seq_len,
+        )
+        options = AttentionOptions(
             scale=info["scale"],
             sliding_window=info["sliding_window"],
             softcap=info["softcap"],
@@ -59,12 +61,14 @@ class AttentionSnapshot(Snapshot):
             k_scale=t.get("k_scale"),
             v_scale=t.get("v_scale"),
         )
+        attention_reference(q, k, v, ref, batch, options)
         atol, rtol = ATTENTION_TOLERANCES.get(q.dtype, (2.5e-2, 2.5e-2))
         return compare(out, ref, atol, rtol, "attention output")
 
 
 class AttentionCheck:
-    """Snapshots of `fuselane.kernels.attention.paged_attention` calls."""
+    """Snapshots of `fuselane.kernels.attention.attention` calls (the bundled form the backend
+    makes)."""
 
     before = None
 
@@ -79,21 +83,12 @@ class AttentionCheck:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         out: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_table: torch.Tensor,
-        *,
-        max_query_len: int,
-        max_seq_len: int,
-        scale: float,
-        min_query_len: int = 0,  # a launch choice of the kernel; the check needs none
-        sliding_window: int | None = None,
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        batch: PagedBatch,
+        options: AttentionOptions,
         workspace: Any = None,
     ) -> Snapshot | None:
+        cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+        max_query_len, max_seq_len = batch.max_query_len, batch.max_seq_len
         num_seqs, num_rows = seq_lens.shape[0], q.shape[0]
         if num_seqs == 0 or num_rows == 0:
             return None
@@ -122,16 +117,16 @@ class AttentionCheck:
                 [cu_seqlens_q[b].long(), cu_seqlens_q[b + 1].long(), seq_lens[b].long()]
             ),
         }
-        if sinks is not None:
-            tensors["sinks"] = sinks.detach().float().clone()
+        if options.sinks is not None:
+            tensors["sinks"] = options.sinks.detach().float().clone()
         if fp8:
-            tensors["k_scale"] = k_scale.detach().float().reshape(1).clone()
-            tensors["v_scale"] = v_scale.detach().float().reshape(1).clone()
+            tensors["k_scale"] = options.k_scale.detach().float().reshape(1).clone()
+            tensors["v_scale"] = options.v_scale.detach().float().reshape(1).clone()
         return AttentionSnapshot(
             tensors,
             rows=rows,
             fp8=fp8,
-            scale=float(scale),
-            sliding_window=sliding_window,
-            softcap=float(softcap),
+            scale=float(options.scale),
+            sliding_window=options.sliding_window,
+            softcap=float(options.softcap),
         )

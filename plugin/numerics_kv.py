@@ -3,9 +3,12 @@ slots, and the rotated q and k, against the references."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fuselane.kernels.kv_cache import KVWrite, Rotary
 
 from .numerics_base import (
     FP8,
@@ -53,38 +56,35 @@ class KVWriteSnapshot(Snapshot):
 
 
 class KVWriteCheck:
-    """Snapshots of `fuselane.kernels.kv_cache.kv_cache_update` calls."""
+    """Snapshots of `fuselane.kernels.kv_cache.kv_write` calls."""
 
     before = None
 
-    def after(
-        self,
-        pre: Any,
-        result: Any,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> Snapshot | None:
-        n = slot_mapping.shape[0]
+    def after(self, pre: Any, result: Any, write: KVWrite) -> Snapshot | None:
+        n = write.slot_mapping.shape[0]
         if n == 0:
             return None
-        idx = _spread(n, key.device)
-        slots = slot_mapping.index_select(0, idx).long()
+        idx = _spread(n, write.key.device)
+        slots = write.slot_mapping.index_select(0, idx).long()
         tensors = {
-            "key": key.index_select(0, idx),
-            "value": value.index_select(0, idx),
-            "slots": slots,
-            "kc": _gather_rows(key_cache, slots),
-            "vc": _gather_rows(value_cache, slots),
+            "key": write.key.index_select(0, idx),
+            "value": write.value.index_select(0, idx),
+            **_written_rows(write, slots),
         }
-        if key_cache.dtype == FP8:
-            tensors["k_scale"] = k_scale.detach().float().reshape(1).clone()
-            tensors["v_scale"] = v_scale.detach().float().reshape(1).clone()
         return KVWriteSnapshot(tensors)
+
+
+def _written_rows(write: KVWrite, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The cache rows at `slots` (< 0: none) after the write, and an fp8 cache's scales."""
+    rows = {
+        "slots": slots,
+        "kc": _gather_rows(write.key_cache, slots),
+        "vc": _gather_rows(write.value_cache, slots),
+    }
+    if write.key_cache.dtype == FP8:
+        rows["k_scale"] = write.k_scale.detach().float().reshape(1).clone()
+        rows["v_scale"] = write.v_scale.detach().float().reshape(1).clone()
+    return rows
 
 
 class RopeKVWriteSnapshot(Snapshot):
@@ -112,20 +112,12 @@ class RopeKVWriteSnapshot(Snapshot):
 
 
 class RopeKVWriteCheck:
-    """Snapshots of `fuselane.kernels.kv_cache.rope_kv_cache_update` calls (in place: the
+    """Snapshots of `fuselane.kernels.kv_cache.rope_kv_write` calls (in place: the
     inputs are kept before the launch)."""
 
-    def before(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        is_neox: bool,
-        *args: Any,
-        **kwargs: Any,
-    ) -> dict[str, torch.Tensor] | None:
+    def before(self, rotary: Rotary, write: KVWrite) -> dict[str, torch.Tensor] | None:
+        positions, query, cos_sin_cache = rotary.positions, rotary.query, rotary.cos_sin_cache
+        key = write.key
         num_rows = query.shape[0]
         if num_rows == 0:
             return None
@@ -139,24 +131,12 @@ class RopeKVWriteCheck:
         }
 
     def after(
-        self,
-        pre: dict[str, torch.Tensor] | None,
-        result: Any,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        is_neox: bool,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        self, pre: dict[str, torch.Tensor] | None, result: Any, rotary: Rotary, write: KVWrite
     ) -> Snapshot | None:
         if pre is None:
             return None
         idx = pre.pop("idx")
+        slot_mapping = write.slot_mapping
         n = slot_mapping.shape[0]
         if n > 0:  # rows past len(slot_mapping) are rotated but not written
             written = slot_mapping.index_select(0, idx.clamp(max=n - 1)).long()
@@ -165,14 +145,9 @@ class RopeKVWriteCheck:
             slots = torch.full_like(idx, -1)
         tensors = dict(
             pre,
-            q_out=query.index_select(0, idx),
-            k_out=key.index_select(0, idx),
-            v_in=value.index_select(0, idx),
-            slots=slots,
-            kc=_gather_rows(key_cache, slots),
-            vc=_gather_rows(value_cache, slots),
+            q_out=rotary.query.index_select(0, idx),
+            k_out=write.key.index_select(0, idx),
+            v_in=write.value.index_select(0, idx),
+            **_written_rows(write, slots),
         )
-        if key_cache.dtype == FP8:
-            tensors["k_scale"] = k_scale.detach().float().reshape(1).clone()
-            tensors["v_scale"] = v_scale.detach().float().reshape(1).clone()
-        return RopeKVWriteSnapshot(tensors, is_neox=bool(is_neox))
+        return RopeKVWriteSnapshot(tensors, is_neox=bool(rotary.is_neox))

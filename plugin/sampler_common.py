@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,6 +83,45 @@ WARM_LOGPROB_PARAM_SETS = (("temperature",), ("temperature", "top_k", "top_p"))
 # B=32-256 (sampling-arith-torch-h200-2026-11-26.json against sampling-h200-2026-11-26.json),
 # and V1's fused draws already differ from its stock ones, so V1 takes the fast rounding too.
 V1_ARITH = V2_ARITH = "triton"
+
+
+def route(
+    reason: str | None, fused: Callable[[], Any], stock: Callable[..., Any], *args: Any,
+    **kwargs: Any,
+) -> Any:  # fmt: skip
+    """A sampler call's route: `fused()` when nothing stands against it (`reason` None) and it
+    ran (not None: its start-up warm-up may switch fused sampling off, counted "startup"), else
+    vLLM's sampler, `stock(*args, **kwargs)`, through the stock seam (which times it on the
+    device of the first tensor argument); each call counted by route and reason."""
+    if reason is None:
+        out = fused()
+        if out is not None:
+            _count("fused")
+            return out
+        reason = "startup"
+    _count("stock", reason)
+    return _SAMPLING_STOCK(None, stock, *args, **kwargs)
+
+
+def run_fused(
+    sampler: Any, runner: str, logits: torch.Tensor, params: Any, n: int | None, mode: str,
+    param_sets: tuple[tuple[str, ...], ...],
+) -> Any:  # fmt: skip
+    """The fused sampler's call for either runner: the start-up warm-up on the sampler's first
+    call, then `fused_sample` through the telemetry seam. None when the warm-up switched fused
+    sampling off (the caller runs vLLM's sampler). `logits_writable` when no log-probabilities
+    are asked for: neither runner reads its logits after sampling then."""
+    from fuselane.kernels import sampling
+
+    ws = sampler._workspace(logits)
+    if not sampler._fuselane_warmed:
+        sampler._fuselane_warmed = _warm_up(runner, logits, params, ws, n, mode, param_sets)
+        if fused_sampling_off() is not None:
+            return None
+    return _SAMPLING(
+        None, sampling.fused_sample, logits, params, workspace=ws, num_logprobs=n,
+        logprobs_mode=mode, logits_writable=n is None,
+    )  # fmt: skip
 
 
 def _warm_up(

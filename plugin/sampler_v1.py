@@ -173,15 +173,9 @@ def make_v1_sampler(base: type) -> type:
             reason = (
                 "startup" if off else _unsupported_v1(self, logits, md, predict_bonus_token, mode)
             )
-            if reason is None:
-                out = self._fused(logits, md, mode)
-                if out is not None:
-                    common._count("fused")
-                    return out
-                reason = "startup"
-            common._count("stock", reason)
-            return common._SAMPLING_STOCK(
-                None,
+            return common.route(
+                reason,
+                lambda: self._fused(logits, md, mode),
                 super().forward,
                 logits,
                 md,
@@ -190,28 +184,12 @@ def make_v1_sampler(base: type) -> type:
             )
 
         def _fused(self, logits: torch.Tensor, md: Any, mode: str) -> Any:
-            from fuselane.kernels import sampling
-
             params = _params_v1(self, logits, md)
             n = md.max_num_logprobs
-            ws = self._workspace(logits)
-            if not self._fuselane_warmed:
-                self._fuselane_warmed = common._warm_up(
-                    "v1", logits, params, ws, n, mode, common.V1_WARM_PARAM_SETS
-                )
-                if common.fused_sampling_off() is not None:
-                    return None
-            out = common._SAMPLING(
-                None,
-                sampling.fused_sample,
-                logits,
-                params,
-                workspace=ws,
-                num_logprobs=n,
-                logprobs_mode=mode,
-                # V1 penalizes these fp32 logits in place itself; the ranks below read them
-                logits_writable=n is None,
-            )
+            # V1 penalizes fp32 logits in place itself; without logprobs nothing reads them after.
+            out = common.run_fused(self, "v1", logits, params, n, mode, common.V1_WARM_PARAM_SETS)
+            if out is None:
+                return None
             # No host sync for NaN rows (as on V2): the kernel never samples a NaN (stock V1
             # would sample garbage from NaN probabilities) and the runner can prepare the next
             # step while this one runs. V1 has no output field for the count.

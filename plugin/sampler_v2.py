@@ -219,37 +219,21 @@ def make_v2_sampler(base: type) -> type:
                 if common.fused_sampling_off() is not None
                 else _unsupported_v2(self, logits, input_batch)
             )
-            if reason is None:
-                out = self._fused(logits, input_batch, num_logprobs)
-                if out is not None:
-                    common._count("fused")
-                    return out
-                reason = "startup"
-            common._count("stock", reason)
-            return common._SAMPLING_STOCK(None, super().__call__, logits, input_batch)
+            return common.route(
+                reason,
+                lambda: self._fused(logits, input_batch, num_logprobs),
+                super().__call__,
+                logits,
+                input_batch,
+            )
 
         def _fused(self, logits: torch.Tensor, batch: Any, n: int | None) -> Any:
-            from fuselane.kernels import sampling
-
             params = _params_v2(self, batch)
-            ws = self._workspace(logits)
-            if not self._fuselane_warmed:
-                self._fuselane_warmed = common._warm_up(
-                    "v2", logits, params, ws, n, self.logprobs_mode, common.V2_WARM_PARAM_SETS
-                )
-                if common.fused_sampling_off() is not None:
-                    return None
-            out = common._SAMPLING(
-                None,
-                sampling.fused_sample,
-                logits,
-                params,
-                workspace=ws,
-                num_logprobs=n,
-                logprobs_mode=self.logprobs_mode,
-                # the runner does not read the logits after sampling; the ranks below do
-                logits_writable=n is None,
+            out = common.run_fused(
+                self, "v2", logits, params, n, self.logprobs_mode, common.V2_WARM_PARAM_SETS
             )
+            if out is None:
+                return None
             # Copies: the workspace is overwritten by the next step while the runner still
             # reads these (async output copy, post_update). No host sync: NaN rows are not
             # re-routed (V2 overlaps the next step's preparation with this one); the kernel

@@ -235,12 +235,8 @@ class Telemetry:
             self.samples.append((site, False, kernel_timing.HostTimer.now() - t0))
         else:
             result = fn(*args, **kwargs)
-        self.calls[site] = n + 1
-        if fault is not None:
-            fault(result, *args, **kwargs)
-        if checked:
-            self._snapshot(site, check, pre, result, args, kwargs)
-        return result
+        return self._after_eager(site, n, result, fault, check if checked else None, pre, args,
+                                 kwargs)  # fmt: skip
 
     def _run_cuda(self, site, fn, args, kwargs, fault, check, device) -> Any:
         tracker = self.tracker
@@ -277,10 +273,16 @@ class Telemetry:
             probes.end(site, 1)
         else:
             result = fn(*args, **kwargs)
+        return self._after_eager(site, n, result, fault, check if checked else None, pre, args,
+                                 kwargs)  # fmt: skip
+
+    def _after_eager(self, site, n, result, fault, check, pre, args, kwargs) -> Any:
+        """An eager call's bookkeeping once the kernel ran: its count, the injected fault, the
+        snapshot of a checked call (`check` None: not checked)."""
         self.calls[site] = n + 1
         if fault is not None:
             fault(result, *args, **kwargs)
-        if checked:
+        if check is not None:
             self._snapshot(site, check, pre, result, args, kwargs)
         return result
 

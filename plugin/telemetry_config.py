@@ -84,19 +84,15 @@ class TelemetryConfig:
 
 
 def _number(env: Any, name: str, default: float, low: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= low or math.isinf(value):
-        raise TelemetryConfigError(f"{name}={raw!r}: expected a number >= {low}")
-    return value
+    return _bounded(env, name, default, low, math.inf, f"a number >= {low}")
 
 
 def _rate(env: Any, name: str, default: float) -> float:
+    return _bounded(env, name, default, 0.0, 1.0, "a fraction in [0, 1]")
+
+
+def _bounded(env: Any, name: str, default: float, low: float, high: float, what: str) -> float:
+    """`name`'s value as a finite float in [low, high] (unset or blank: `default`)."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -104,8 +100,8 @@ def _rate(env: Any, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise TelemetryConfigError(f"{name}={raw!r}: expected a fraction in [0, 1]")
+    if not low <= value <= high or math.isinf(value):
+        raise TelemetryConfigError(f"{name}={raw!r}: expected {what}")
     return value
 
 

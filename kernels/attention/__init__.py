@@ -42,14 +42,16 @@ static properties only, like the rest of the plan.
 lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is not used at
 all, since CUDA-graph replays change sequence lengths under a captured launch.
 
-Modules: `plan` (launch rules and the workspace), `decode`, `prefill` (Triton kernels),
+Modules: `args` (the argument bundles `PagedBatch` and `AttentionOptions`, and the flat public
+signature), `plan` (launch rules and the workspace), `decode`, `prefill` (Triton kernels),
 `decode_ws`, `prefill_ws` (Hopper's Gluon kernels), `hopper` (whether those may run), `checks`,
 `run` (launching a plan, the start-up warm-up), `ops` (the entry points), `reference`.
 """
 
 from __future__ import annotations
 
-from . import checks, hopper, ops, plan, reference, run
+from . import args, checks, hopper, ops, plan, reference, run
+from .args import AttentionOptions, PagedBatch
 from .checks import (
     check_supported,
 )
@@ -62,6 +64,8 @@ from .hopper import (
 )
 from .ops import (
     LAUNCHES,
+    attention,
+    attention_unchecked,
     paged_attention,
     paged_attention_unchecked,
 )
@@ -121,6 +125,7 @@ from .plan import (
     workspace_splits,
 )
 from .reference import (
+    attention_reference,
     paged_attention_reference,
 )
 from .run import (
@@ -164,11 +169,17 @@ __all__ = [
     "WAVE_FILL_MARGIN",
     "WS_HEAD_SIZES",
     "WS_RULE_HEAD_SIZES",
+    "AttentionOptions",
     "AttentionWorkspace",
     "DecodeConfig",
     "LaunchPlan",
+    "PagedBatch",
     "PrefillConfig",
     "SplitRoom",
+    "args",
+    "attention",
+    "attention_reference",
+    "attention_unchecked",
     "check_supported",
     "checks",
     "decode_programs_per_sm",

@@ -8,6 +8,7 @@ import torch
 
 from .._checks import FP8_E4M3, check_choice, check_kernel_device, check_tensor
 from . import hopper
+from .args import AttentionOptions, PagedBatch
 from .plan import (
     MAX_GQA_GROUP,
     MAX_GRID_YZ,
@@ -58,24 +59,18 @@ def _check_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_query_len: int,
-    min_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float,
-    sinks: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
+    batch: PagedBatch,
+    options: AttentionOptions,
 ) -> None:
     """Host-side checks (shapes, dtypes, devices, strides, scalars); never reads device data."""
     check_tensor("q", q, ndim=3, dtypes=SUPPORTED_Q_DTYPES, last_dim_contiguous=True)
     check_kernel_device("q", q)
     device = q.device
     num_tokens, num_q_heads, head_size = q.shape
+    cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+    max_query_len, min_query_len = batch.max_query_len, batch.min_query_len
+    scale, sliding_window, softcap = options.scale, options.sliding_window, options.softcap
+    sinks, k_scale, v_scale = options.sinks, options.k_scale, options.v_scale
     check_tensor(
         "key_cache",
         key_cache,
@@ -130,7 +125,7 @@ def _check_args(
     )
     if num_seqs > MAX_GRID_YZ:
         raise ValueError(f"seq_lens: expected at most {MAX_GRID_YZ} sequences, got {num_seqs}")
-    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", batch.max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
     if (
@@ -174,10 +169,8 @@ def _refuse_unrunnable_ws(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    max_query_len: int,
-    sliding_window: int,
-    softcap: float,
-    has_sinks: bool,
+    batch: PagedBatch,
+    options: AttentionOptions,
 ) -> None:
     """Raise if a given plan (benchmark sweeps, tests) names a Hopper kernel this call cannot
     run; the rule's own plans take them only where `warp_specialized_ok` said yes."""
@@ -185,8 +178,12 @@ def _refuse_unrunnable_ws(
     ws_prefill = pre is not None and pre.warp_specialized
     if not (dec.warp_specialized or ws_prefill):
         return
-    ok = hopper.warp_specialized_ok(q, key_cache, value_cache, sliding_window=sliding_window,
-                             softcap=softcap, has_sinks=has_sinks)  # fmt: skip
+    sliding_window, softcap = options.window, options.softcap
+    has_sinks = options.sinks is not None
+    ok = hopper.warp_specialized_ok(
+        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
+        has_sinks=has_sinks,
+    )  # fmt: skip
     if dec.warp_specialized and not (ok and pre is None and dec.qpos == 1):
         what = "decode kernel runs decode-only batches (query_len 1) on sm_90 GPUs"
     elif ws_prefill and not ok:
@@ -199,6 +196,7 @@ def _refuse_unrunnable_ws(
         f"paged_attention: the warp-specialized {what}{off}, fp16/bf16 with a cache of the "
         f"same dtype, head sizes {hopper.WS_HEAD_SIZES}, without sliding window, soft cap or "
         "sinks; "
-        f"got max_query_len {max_query_len}, {q.device} {q.dtype} cache {key_cache.dtype} head "
-        f"size {q.shape[2]}, window {sliding_window}, softcap {softcap}, sinks {has_sinks}"
+        f"got max_query_len {batch.max_query_len}, {q.device} {q.dtype} cache "
+        f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap {softcap}, "
+        f"sinks {has_sinks}"
     )

@@ -27,11 +27,17 @@ prefill kernel is in `prefill.py`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .._launch import launch, next_pow2
+
+if TYPE_CHECKING:
+    from .args import AttentionOptions, PagedBatch
+    from .plan import AttentionWorkspace, DecodeConfig
 
 # log2(e): logits are kept in base-2 units so the softmax uses exp2 (one MUFU op).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -574,44 +580,35 @@ def launch_decode(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    sinks: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    part_o: torch.Tensor | None,
-    part_ml: torch.Tensor | None,
-    counters: torch.Tensor | None,
+    batch: PagedBatch,
+    options: AttentionOptions,
+    workspace: AttentionWorkspace | None,
+    config: DecodeConfig,
     *,
-    scale: float,
-    softcap: float,
-    sliding_window: int,
-    qpos: int,
-    block_m: int,
-    tile_n: int,
-    num_splits: int,
-    fused_reduce: bool,
-    head_fast: bool,
-    max_q: int,
-    num_warps: int,
-    num_stages: int,
     upcast_dot: bool,
 ) -> None:
     """Launch the decode kernel (and, with splits and fused_reduce=False, the split reduction).
 
-    Arguments are already validated by `attention.paged_attention`; the config comes from
-    `plan.plan_launch` and depends only on shapes. `part_o` / `part_ml` are flat fp32
-    workspace views large enough for `num_seqs * qpos * Hq * num_splits` partial rows,
-    `counters` an int32 workspace of at least `num_seqs * Hkv` zeros (left at zero).
+    Arguments are already validated by `ops.attention`; the config comes from
+    `plan.plan_launch` and depends only on shapes. With splits, the workspace's partial views
+    hold `num_seqs * qpos * Hq * num_splits` rows and its counters `num_seqs * Hkv` zeros
+    (left at zero).
     """
+    cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+    sinks, k_scale, v_scale = options.sinks, options.k_scale, options.v_scale
+    softcap = float(options.softcap)
+    part_o = workspace.partial_out if workspace is not None else None
+    part_ml = workspace.partial_ml if workspace is not None else None
+    counters = workspace.counters if workspace is not None else None
+    qpos, tile_n, num_splits = config.qpos, config.tile_n, config.num_splits
+    head_fast, max_q = config.head_fast, config.max_q
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     head_pad = next_pow2(head_size)
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     split = num_splits > 1
-    fused = split and fused_reduce
+    fused = split and config.fused_reduce
     merge_m = next_pow2(qpos * (num_q_heads // num_kv_heads))
     # One merge step size per tile shape, whatever the split count (masked lanes past it): a
     # new split count must not mean a new compiled variant in the middle of serving.
@@ -638,14 +635,14 @@ def launch_decode(
         part_o if split else dummy,
         part_ml if split else dummy,
         counters if fused else dummy,
-        scale,
+        float(options.scale),
         softcap if softcap > 0 else 1.0,
         num_splits,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
         GROUP=num_q_heads // num_kv_heads,
         QPOS=qpos,
-        BLOCK_M=block_m,
+        BLOCK_M=config.block_m,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
         PAGE=key_cache.shape[1],
@@ -656,13 +653,13 @@ def launch_decode(
         RED_SPLITS=red_splits,
         HEAD_FAST=head_fast,
         MAX_Q=max_q,
-        SLIDING_WINDOW=sliding_window,
+        SLIDING_WINDOW=options.window,
         USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None,
         KV_FP8=kv_fp8,
         UPCAST_DOT=upcast_dot,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if split and not fused:
         launch(

@@ -19,6 +19,8 @@ query heads per kv head; `plan.plan_launch` says when it runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -43,6 +45,10 @@ ROWS = gl.constexpr(64)
 # Registers of a loader thread: the compute warpgroup needs few here (a 64-row tile), and a
 # 128-token tile's copy addresses spill below about 100.
 LOAD_REGS = gl.constexpr(128)
+
+if TYPE_CHECKING:
+    from .args import AttentionOptions, PagedBatch
+    from .plan import AttentionWorkspace, DecodeConfig
 
 
 @gluon.jit
@@ -300,23 +306,17 @@ def launch_decode_ws(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    part_o: torch.Tensor | None,
-    part_ml: torch.Tensor | None,
-    counters: torch.Tensor | None,
-    *,
-    scale: float,
-    tile_n: int,
-    num_splits: int,
-    num_buf: int,
-    head_fast: bool,
+    batch: PagedBatch,
+    options: AttentionOptions,
+    workspace: AttentionWorkspace | None,
+    config: DecodeConfig,
 ) -> None:
     """Launch the warp-specialized decode kernel (a decode-only batch, query_len <= 1; validated
     arguments; `prefill_ws.supports` said yes; config from `plan.plan_launch`).
-    `part_o` / `part_ml` / `counters`: the split workspace (`num_splits` > 1), as
-    `decode.launch_decode` takes it."""
+    The workspace is read with splits only (`num_splits` > 1), as `decode.launch_decode`
+    reads it; the options are the scale (the kernel runs none of the others)."""
+    cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+    tile_n, num_splits, head_fast = config.tile_n, config.num_splits, config.head_fast
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -338,10 +338,10 @@ def launch_decode_ws(
         cu_seqlens_q,
         seq_lens,
         block_table,
-        part_o if split else dummy,
-        part_ml if split else dummy,
-        counters if split else dummy,
-        scale,
+        workspace.partial_out if split else dummy,
+        workspace.partial_ml if split else dummy,
+        workspace.counters if split else dummy,
+        float(options.scale),
         num_splits,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
@@ -349,7 +349,7 @@ def launch_decode_ws(
         BLOCK_N=tile_n,
         HEAD=head_size,
         PAGE=key_cache.shape[1],
-        NUM_BUF=num_buf,
+        NUM_BUF=config.num_stages,
         SPLIT=split,
         MERGE_M=merge_m,
         RED_SPLITS=red_splits,

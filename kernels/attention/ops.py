@@ -1,5 +1,7 @@
 """The paged-attention entry points: the custom op (with its fake for torch.compile), the checked
-call, and the unchecked call vLLM's layers after the first replay."""
+call, and the unchecked call vLLM's layers after the first replay. Each comes in the bundled
+form (`attention(q, key_cache, value_cache, out, batch, options, workspace)`) and the flat
+keyword form users call (`paged_attention`, `args.flat_arguments`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import torch
 
 from .._launch import LaunchCache, use_custom_op
+from .args import AttentionOptions, PagedBatch, flat_arguments
 from .checks import _check_args
 from .plan import AttentionWorkspace
 from .run import _run
@@ -39,7 +42,8 @@ def _paged_attention_op(
     ws_max_splits: int,
     min_query_len: int = 0,
 ) -> None:
-    """torch.library form of `paged_attention` (the workspace passed as its three buffers)."""
+    """torch.library form of `attention`: the bundles flattened (`_op_arguments`), the window
+    as an int (0 = off), the workspace as its three buffers."""
     workspace = None
     if ws_partial_out is not None and ws_partial_ml is not None and ws_counters is not None:
         workspace = AttentionWorkspace(
@@ -51,70 +55,38 @@ def _paged_attention_op(
             head_size=q.shape[2],
             max_splits=ws_max_splits,
         )
-    _run(
-        q,
-        key_cache,
-        value_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        max_query_len,
-        scale,
-        sliding_window,
-        softcap,
-        sinks,
-        k_scale,
-        v_scale,
-        workspace,
-        min_query_len=min_query_len,
-    )
+    batch = PagedBatch(cu_seqlens_q, seq_lens, block_table, max_query_len, min_query_len)
+    options = AttentionOptions(scale, sliding_window or None, softcap, sinks, k_scale, v_scale)
+    _run(q, key_cache, value_cache, out, batch, options, workspace)
 
 
 @_paged_attention_op.register_fake
-def _paged_attention_fake(
-    q,
-    key_cache,
-    value_cache,
-    out,
-    cu_seqlens_q,
-    seq_lens,
-    block_table,
-    max_query_len,
-    scale,
-    sliding_window,
-    softcap,
-    sinks,
-    k_scale,
-    v_scale,
-    ws_partial_out,
-    ws_partial_ml,
-    ws_counters,
-    ws_max_num_tokens,
-    ws_max_splits,
-    min_query_len=0,
-) -> None:
+def _paged_attention_fake(*args, **kwargs) -> None:
     return None
 
 
-def paged_attention(
+def _op_arguments(
+    batch: PagedBatch, options: AttentionOptions, workspace: AttentionWorkspace | None
+) -> tuple:
+    """The custom op's arguments after (q, key_cache, value_cache, out), in its order."""
+    ws = workspace
+    return (
+        batch.cu_seqlens_q, batch.seq_lens, batch.block_table, batch.max_query_len,
+        float(options.scale), options.window, float(options.softcap),
+        options.sinks, options.k_scale, options.v_scale,
+        None if ws is None else ws.partial_out, None if ws is None else ws.partial_ml,
+        None if ws is None else ws.counters, 0 if ws is None else ws.max_num_tokens,
+        0 if ws is None else ws.max_splits, batch.min_query_len,
+    )  # fmt: skip
+
+
+def attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    min_query_len: int = 0,
-    sliding_window: int | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    batch: PagedBatch,
+    options: AttentionOptions,
     workspace: AttentionWorkspace | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a varlen batch (decode, prefill or mixed); writes and returns out.
@@ -123,41 +95,19 @@ def paged_attention(
     key_cache:    [num_blocks, block_size, Hkv, D] q's dtype or float8_e4m3fn, last stride 1
     value_cache:  like key_cache
     out:          [num_tokens, Hq, D] q's dtype, written for rows < cu_seqlens_q[-1] only
-    cu_seqlens_q: [num_seqs + 1] int32, query row offsets
-    seq_lens:     [num_seqs] int32, KV length of each sequence including its query tokens
-    block_table:  [num_seqs, max_blocks] int32, physical block of each logical block
-    max_query_len: host int >= every query length: picks the decode-only path when <= 8
-    min_query_len: host int, the shortest query among sequences with any, if the caller knows
-                  it (vLLM does; 0 = unknown): a batch of prefill chunks only (all longer than
-                  the decode kernel's positions) then skips the decode launch
-    max_seq_len:  host int (accepted for vLLM parity; unused, see the module docstring)
-    scale:        softmax scale (> 0)
-    sliding_window: None, or W keys per query (itself included), vLLM's convention
-    softcap:      0 = off, else logits become softcap * tanh(logit / softcap)
-    sinks:        [Hq] fp32 sink logits, or None
-    k_scale, v_scale: [1] fp32 per-tensor scales, required for an fp8 cache
+    batch:        the step's layout (`PagedBatch`: cu_seqlens_q, seq_lens, block_table,
+                  max_query_len, min_query_len, max_seq_len); flat form: those as arguments
+    options:      the layer's options (`AttentionOptions`: scale, sliding_window, softcap,
+                  sinks, k_scale, v_scale); flat form: those as keyword arguments
     workspace:    split-KV scratch; None runs without splits (slower for small decode batches)
+
+    `max_query_len` picks the decode-only path when <= 8; `min_query_len` (0 = unknown), when
+    every sequence with a query is longer than the decode kernel's positions (a step of prefill
+    chunks only), skips the decode launch; `max_seq_len` is unused (see the package docstring).
 
     No host sync and no allocation: safe inside CUDA graphs.
     """
-    _check_args(
-        q,
-        key_cache,
-        value_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        max_query_len,
-        min_query_len,
-        max_seq_len,
-        scale,
-        sliding_window,
-        softcap,
-        sinks,
-        k_scale,
-        v_scale,
-    )
+    _check_args(q, key_cache, value_cache, out, batch, options)
     if workspace is not None:
         if not isinstance(workspace, AttentionWorkspace):
             raise ValueError(
@@ -167,49 +117,12 @@ def paged_attention(
             raise ValueError(
                 f"workspace: expected device {q.device}, got {workspace.partial_out.device}"
             )
-    window = 0 if sliding_window is None else sliding_window
     if use_custom_op(q):
         _paged_attention_op(
-            q,
-            key_cache,
-            value_cache,
-            out,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            max_query_len,
-            float(scale),
-            window,
-            float(softcap),
-            sinks,
-            k_scale,
-            v_scale,
-            workspace.partial_out if workspace is not None else None,
-            workspace.partial_ml if workspace is not None else None,
-            workspace.counters if workspace is not None else None,
-            workspace.max_num_tokens if workspace is not None else 0,
-            workspace.max_splits if workspace is not None else 0,
-            min_query_len,
+            q, key_cache, value_cache, out, *_op_arguments(batch, options, workspace)
         )
     else:
-        _run(
-            q,
-            key_cache,
-            value_cache,
-            out,
-            cu_seqlens_q,
-            seq_lens,
-            block_table,
-            max_query_len,
-            float(scale),
-            window,
-            float(softcap),
-            sinks,
-            k_scale,
-            v_scale,
-            workspace,
-            min_query_len=min_query_len,
-        )
+        _run(q, key_cache, value_cache, out, batch, options, workspace)
     return out
 
 
@@ -218,65 +131,49 @@ def paged_attention(
 LAUNCHES = LaunchCache()
 
 
-def paged_attention_unchecked(
+def attention_unchecked(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    min_query_len: int = 0,
-    sliding_window: int | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    batch: PagedBatch,
+    options: AttentionOptions,
     workspace: AttentionWorkspace | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` (same arguments) without its argument checks, for eager callers that
-    passed the same kind of arguments (dtypes, head counts, cache tensors, options) through
-    `paged_attention` once: vLLM's backend, layer by layer, where host time per layer is step
-    time on its eager path. Batch sizes may differ between calls; their consistency is the
-    caller's contract.
+    """`attention` (same arguments) without its argument checks, for eager callers that passed
+    the same kind of arguments (dtypes, head counts, cache tensors, options) through `attention`
+    once: vLLM's backend, layer by layer, where host time per layer is step time on its eager
+    path. Batch sizes may differ between calls; their consistency is the caller's contract.
 
     A call whose metadata tensors (the same objects), shapes, dtypes and options equal an
     earlier call's replays that call's launches with its own q, caches, output, sinks and
     scales (`LAUNCHES`, a `LaunchCache`): vLLM's layers after the first of each step."""
     if use_custom_op(q):  # traced: the checked custom-op path
-        return paged_attention(
-            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale,
-            min_query_len=min_query_len, sliding_window=sliding_window, softcap=softcap,
-            sinks=sinks, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
-        )  # fmt: skip
+        return attention(q, key_cache, value_cache, out, batch, options, workspace)
     recording: contextlib.AbstractContextManager = contextlib.nullcontext()
     # A captured graph is replayed with other batches: its plan keeps the decode launch
     # (`_skips_decode`), which a recording made outside the capture may have left out.
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        b, o = batch, options
         # Everything a launch depends on besides the layer's own tensors (see LaunchCache).
         key = (
-            id(cu_seqlens_q), id(seq_lens), id(block_table), id(workspace), q.shape,
+            id(b.cu_seqlens_q), id(b.seq_lens), id(b.block_table), id(workspace), q.shape,
             q.stride(), q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape,
             key_cache.stride(), value_cache.shape, value_cache.stride(), key_cache.dtype,
-            value_cache.dtype, max_query_len, min_query_len, scale, sliding_window, softcap,
-            sinks is None, k_scale is None, v_scale is None,
+            value_cache.dtype, b.max_query_len, b.min_query_len, o.scale, o.sliding_window,
+            o.softcap, o.sinks is None, o.k_scale is None, o.v_scale is None,
         )  # fmt: skip
-        slots = (q, key_cache, value_cache, out, sinks, k_scale, v_scale)
+        slots = (q, key_cache, value_cache, out, o.sinks, o.k_scale, o.v_scale)
         if LAUNCHES.replay(key, slots):
             return out
-        fixed = (cu_seqlens_q, seq_lens, block_table)
+        fixed = (b.cu_seqlens_q, b.seq_lens, b.block_table)
         if workspace is not None:
             fixed += (workspace.partial_out, workspace.partial_ml, workspace.counters)
         recording = LAUNCHES.record(key, slots, fixed)
     with recording:
-        _run(
-            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_table, max_query_len,
-            float(scale), 0 if sliding_window is None else sliding_window, float(softcap),
-            sinks, k_scale, v_scale, workspace, min_query_len=min_query_len,
-        )  # fmt: skip
+        _run(q, key_cache, value_cache, out, batch, options, workspace)
     return out
+
+
+paged_attention = flat_arguments(attention, "paged_attention")
+paged_attention_unchecked = flat_arguments(attention_unchecked, "paged_attention_unchecked")

@@ -19,12 +19,18 @@ together, sharing its K/V in L2).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .._launch import launch, next_pow2
 from .decode import LOG2E, NEG_BIG, _attend_range, layout_strides
+
+if TYPE_CHECKING:
+    from .args import AttentionOptions, PagedBatch
+    from .plan import PrefillConfig
 
 # Largest grid extent on CUDA's second axis.
 MAX_GRID_YZ = 65535
@@ -172,34 +178,25 @@ def launch_prefill(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    sinks: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
+    batch: PagedBatch,
+    options: AttentionOptions,
+    config: PrefillConfig,
     *,
-    scale: float,
-    softcap: float,
-    sliding_window: int,
-    block_m: int,
-    block_n: int,
-    min_q: int,
-    head_fast: bool,
-    num_warps: int,
-    num_stages: int,
     upcast_dot: bool,
 ) -> None:
     """Launch the prefill kernel over every q block of the batch (validated arguments; the
     config comes from `plan.plan_launch` and depends only on shapes)."""
+    cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+    sinks, k_scale, v_scale = options.sinks, options.k_scale, options.v_scale
+    softcap = float(options.softcap)
     num_seqs = seq_lens.shape[0]
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_q = block_m // group
+    block_q = config.block_m // group
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     dummy = seq_lens
-    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, head_fast)
+    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, config.head_fast)
     launch(
         _prefill_kernel,
         grid,
@@ -213,24 +210,24 @@ def launch_prefill(
         sinks if sinks is not None else dummy,
         k_scale if kv_fp8 else dummy,
         v_scale if kv_fp8 else dummy,
-        scale,
+        float(options.scale),
         softcap if softcap > 0 else 1.0,
         num_seqs,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         GROUP=group,
         BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         HEAD_SIZE=head_size,
         HEAD_PAD=next_pow2(head_size),
         PAGE=key_cache.shape[1],
-        MIN_Q=min_q,
-        SLIDING_WINDOW=sliding_window,
+        MIN_Q=config.min_q,
+        SLIDING_WINDOW=options.window,
         USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None,
         KV_FP8=kv_fp8,
         HEAD_FAST=head_fast,
         UPCAST_DOT=upcast_dot,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

@@ -27,6 +27,7 @@ kernel with the fp32 reference.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from triton.experimental import gluon
@@ -43,6 +44,10 @@ from .._launch import launch
 from .._triton_compat import async_load
 from .decode import LOG2E, NEG_BIG, layout_strides
 from .prefill import prefill_grid
+
+if TYPE_CHECKING:
+    from .args import AttentionOptions, PagedBatch
+    from .plan import PrefillConfig
 
 # Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each)
 # and their register budget; the compute warps get the rest of the register file.
@@ -393,26 +398,19 @@ def launch_prefill_ws(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    scale: float,
-    block_m: int,
-    block_n: int,
-    min_q: int,
-    head_fast: bool,
-    num_warps: int,
-    num_buf: int,
+    batch: PagedBatch,
+    options: AttentionOptions,
+    config: PrefillConfig,
 ) -> None:
     """Launch the warp-specialized prefill kernel over every q block of the batch (validated
     arguments; `supports` said yes; the config comes from `plan.plan_launch`)."""
+    cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
     num_seqs = seq_lens.shape[0]
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_q = block_m // group
-    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, head_fast)
+    block_q = config.block_m // group
+    grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, config.head_fast)
     launch(
         _prefill_ws_kernel,
         grid,
@@ -423,17 +421,17 @@ def launch_prefill_ws(
         cu_seqlens_q,
         seq_lens,
         block_table,
-        scale,
+        float(options.scale),
         num_seqs,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         GROUP=group,
         BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         HEAD=head_size,
         PAGE=key_cache.shape[1],
-        MIN_Q=min_q,
-        NUM_BUF=num_buf,
+        MIN_Q=config.min_q,
+        NUM_BUF=config.num_stages,
         HEAD_FAST=head_fast,
-        num_warps=num_warps,
+        num_warps=config.num_warps,
     )

@@ -27,13 +27,15 @@ and `_rope_num_warps`. Addressing is picked on the host from shapes and strides 
 offsets unless some offset could pass 2^31 (then int64), and slot * slot_stride where the block
 stride is block_size * slot_stride (else block and offset); see `_launch_write`.
 
-Modules: `write` and `rope` (the Triton kernels), `fp8` (their e4m3 helpers), `plan` (launch
+Modules: `args` (the bundles `KVWrite` and `Rotary`, and the flat public signatures), `write`
+and `rope` (the Triton kernels), `fp8` (their e4m3 helpers), `plan` (launch
 rules and addressing), `launch` (host launchers), `checks`, `ops` (the entry points), `reference`.
 """
 
 from __future__ import annotations
 
-from . import checks, fp8, launch, ops, plan, reference, rope, write
+from . import args, checks, fp8, launch, ops, plan, reference, rope, write
+from .args import KVWrite, Rotary
 from .checks import (
     INDEX_DTYPES,
     INPUT_DTYPES,
@@ -44,13 +46,18 @@ from .ops import (
     WRITE_LAUNCHES,
     kv_cache_update,
     kv_cache_update_unchecked,
+    kv_write,
+    kv_write_unchecked,
     rope_kv_cache_update,
+    rope_kv_write,
     warm_up_write,
 )
 from .reference import (
     kv_cache_update_reference,
+    kv_write_reference,
     quantize_e4m3_reference,
     rope_kv_cache_update_reference,
+    rope_kv_write_reference,
     rotary_reference,
 )
 
@@ -60,11 +67,17 @@ __all__ = [
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_HEAD_SIZES",
     "WRITE_LAUNCHES",
+    "KVWrite",
+    "Rotary",
+    "args",
     "checks",
     "fp8",
     "kv_cache_update",
     "kv_cache_update_reference",
     "kv_cache_update_unchecked",
+    "kv_write",
+    "kv_write_reference",
+    "kv_write_unchecked",
     "launch",
     "ops",
     "plan",
@@ -73,6 +86,8 @@ __all__ = [
     "rope",
     "rope_kv_cache_update",
     "rope_kv_cache_update_reference",
+    "rope_kv_write",
+    "rope_kv_write_reference",
     "rotary_reference",
     "warm_up_write",
     "write",

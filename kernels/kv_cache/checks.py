@@ -7,6 +7,7 @@ import os
 import torch
 
 from .._checks import FP8_E4M3, check_choice, check_kernel_device, check_tensor
+from .args import KVWrite, Rotary
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -26,19 +27,13 @@ def _check_scale(name: str, scale: object, device: torch.device) -> None:
         )
 
 
-def _check_write_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> bool:
+def _check_write_args(write: KVWrite) -> bool:
     """Validate the write's arguments (shapes, dtypes, devices, strides); True if the cache is fp8.
 
     Reads no device memory: slot values (range, uniqueness) are the caller's contract.
     """
+    key, value, key_cache, value_cache = write.key, write.value, write.key_cache, write.value_cache
+    slot_mapping, k_scale, v_scale = write.slot_mapping, write.k_scale, write.v_scale
     check_tensor("key", key, ndim=3, dtypes=INPUT_DTYPES, last_dim_contiguous=True)
     check_kernel_device("key", key)
     num_tokens, num_kv_heads, head_size = key.shape
@@ -89,22 +84,18 @@ def _check_write_args(
     return fp8
 
 
-def _check_rope_args(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: object,
-) -> int:
+def _check_rope_args(rotary: Rotary, write: KVWrite) -> int:
     """Validate the rotary part of the fused call (key itself is checked by _check_write_args);
     returns rot_dim."""
-    num_tokens, _, head_size = key.shape
-    device = key.device
+    positions, query, cos_sin_cache = rotary.positions, rotary.query, rotary.cos_sin_cache
+    is_neox = rotary.is_neox
+    num_tokens, _, head_size = write.key.shape
+    device = write.key.device
     check_tensor(
         "query",
         query,
         shape=(num_tokens, None, head_size),
-        dtypes=(key.dtype,),
+        dtypes=(write.key.dtype,),
         device=device,
         last_dim_contiguous=True,
     )

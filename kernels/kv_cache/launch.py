@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from .._launch import cdiv, launch, next_pow2
+from .args import KVWrite, Rotary
 from .checks import _interpreting
 from .plan import (
     _WRITE_LOAD_EVICTION,
@@ -20,13 +19,7 @@ from .write import _kv_cache_update_kernel
 
 
 def _launch_write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
+    write: KVWrite,
     fp8: bool,
     *,
     rows_per_program: int | None = None,
@@ -41,6 +34,8 @@ def _launch_write(
     `offsets_64=True` / `flat_slots=False` force the general int64 / block-and-offset
     addressing where the rule would pick the short one (never the reverse);
     `emulate_e4m3=True` rounds to e4m3 in fp32 on the GPU too (to time what it costs)."""
+    key, value, key_cache, value_cache = write.key, write.value, write.key_cache, write.value_cache
+    slot_mapping, k_scale, v_scale = write.slot_mapping, write.k_scale, write.v_scale
     num_rows = slot_mapping.shape[0]
     if num_rows == 0:
         return
@@ -90,17 +85,8 @@ def _launch_write(
 
 
 def _launch_rope(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
+    rotary: Rotary,
+    write: KVWrite,
     fp8: bool,
     *,
     write_cache: bool = True,
@@ -109,6 +95,9 @@ def _launch_rope(
 ) -> None:
     """Launch the fused rotary + write on validated arguments (write_cache=False: rotary only,
     the benchmark's separate-kernel baseline; offsets_64 / flat_slots as for `_launch_write`)."""
+    positions, query, cos_sin_cache = rotary.positions, rotary.query, rotary.cos_sin_cache
+    key, value, key_cache, value_cache = write.key, write.value, write.key_cache, write.value_cache
+    slot_mapping, k_scale, v_scale = write.slot_mapping, write.k_scale, write.v_scale
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -149,7 +138,7 @@ def _launch_rope(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         ROT_DIM=rot_dim,
-        IS_NEOX=is_neox,
+        IS_NEOX=rotary.is_neox,
         BLOCK_SIZE=key_cache.shape[1],
         FP8=fp8,
         WRITE_CACHE=write_cache,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import FP8_E4M3, FP8_E4M3_MAX
+from .args import KVWrite, Rotary, flat_rope_write, flat_write
 from .checks import _check_rope_args, _check_write_args
 
 
@@ -16,17 +17,11 @@ def quantize_e4m3_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
 
 
-def kv_cache_update_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Reference for `kv_cache_update` (same arguments, same validation); syncs with the device."""
-    fp8 = _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+def kv_write_reference(write: KVWrite) -> None:
+    """Reference for `ops.kv_write` (same arguments, same validation); syncs with the device."""
+    fp8 = _check_write_args(write)
+    key, value, key_cache, value_cache = write.key, write.value, write.key_cache, write.value_cache
+    slot_mapping = write.slot_mapping
     num_rows = slot_mapping.shape[0]
     slots = slot_mapping.long()
     rows = (slots >= 0).nonzero().squeeze(1)
@@ -38,8 +33,8 @@ def kv_cache_update_reference(
     if fp8:  # index_put through byte views: not every torch build indexes float8 tensors
         key_cache = key_cache.view(torch.uint8)
         value_cache = value_cache.view(torch.uint8)
-        k = quantize_e4m3_reference(k, k_scale).view(torch.uint8)
-        v = quantize_e4m3_reference(v, v_scale).view(torch.uint8)
+        k = quantize_e4m3_reference(k, write.k_scale).view(torch.uint8)
+        v = quantize_e4m3_reference(v, write.v_scale).view(torch.uint8)
     key_cache[block, offset] = k
     value_cache[block, offset] = v
 
@@ -69,22 +64,17 @@ def rotary_reference(
     return torch.cat((out.to(x.dtype), x[..., rot_dim:]), dim=-1)
 
 
-def rope_kv_cache_update_reference(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Reference for `rope_kv_cache_update`: rotate q and k in place, then the plain write."""
-    _check_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    _check_rope_args(positions, query, key, cos_sin_cache, is_neox)
-    query.copy_(rotary_reference(positions, query, cos_sin_cache, is_neox))
-    key.copy_(rotary_reference(positions, key, cos_sin_cache, is_neox))
-    kv_cache_update_reference(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+def rope_kv_write_reference(rotary: Rotary, write: KVWrite) -> None:
+    """Reference for `ops.rope_kv_write`: rotate q and k in place, then the plain write."""
+    _check_write_args(write)
+    _check_rope_args(rotary, write)
+    positions, cos_sin_cache, is_neox = rotary.positions, rotary.cos_sin_cache, rotary.is_neox
+    rotary.query.copy_(rotary_reference(positions, rotary.query, cos_sin_cache, is_neox))
+    write.key.copy_(rotary_reference(positions, write.key, cos_sin_cache, is_neox))
+    kv_write_reference(write)
+
+
+kv_cache_update_reference = flat_write(kv_write_reference, "kv_cache_update_reference")
+rope_kv_cache_update_reference = flat_rope_write(
+    rope_kv_write_reference, "rope_kv_cache_update_reference"
+)

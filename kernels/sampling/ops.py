@@ -4,6 +4,7 @@ torch.compile), `fused_sample`, and the start-up warm-up."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -225,6 +226,18 @@ def _(*args, **kwargs) -> None:
     return None
 
 
+# The op's arguments after the logits: the parameter bundle's fields, then the workspace's
+# tensors, in their declared orders (checked against the op's signature below).
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParamsTensors))
+_op_names = tuple(inspect.signature(_fused_sample_into_impl).parameters)
+if _op_names[1 : 1 + len(_PARAM_FIELDS) + len(_WORKSPACE_ARGS)] != _PARAM_FIELDS + _WORKSPACE_ARGS:
+    raise ImportError("fused_sample_into's arguments are out of step with its bundles")
+
+
+def _fields(bundle: object, names: tuple[str, ...]) -> tuple:
+    return tuple(getattr(bundle, name) for name in names)
+
+
 @_fused_sample_into_pen_.register_fake
 def _(*args, **kwargs) -> None:
     return None
@@ -284,47 +297,9 @@ def fused_sample(
     else:
         into = _fused_sample_into_impl
     into(
-        logits,
-        p.temperature,
-        p.top_k,
-        p.top_p,
-        p.min_p,
-        p.repetition_penalty,
-        p.frequency_penalty,
-        p.presence_penalty,
-        p.state_slots,
-        p.prompt_bin_mask,
-        p.output_bin_counts,
-        p.output_bin_mask,
-        p.logit_bias_counts,
-        p.logit_bias_token_ids,
-        p.logit_bias_values,
-        p.seeds,
-        p.has_seed,
-        p.seed_offsets,
-        ws.stats_f,
-        ws.stats_i,
-        ws.cand,
-        ws.rcand,
-        ws.rand_seeds,
-        ws.token_ids,
-        ws.logprob,
-        ws.topn_ids,
-        ws.topn_logprobs,
-        ws.nan_rows,
-        ws.kept_threshold,
-        ws.kept_count,
-        ws.fallback_rows,
-        ws.scratch,
-        n,
-        mode,
-        chunk,
-        ws.cap,
-        warps,
-        maxnreg,
-        in_place,
-        ws.arith == "torch",
-    )
+        logits, *_fields(p, _PARAM_FIELDS), *_fields(ws, _WORKSPACE_ARGS), n, mode, chunk, ws.cap,
+        warps, maxnreg, in_place, ws.arith == "torch",
+    )  # fmt: skip
     return SampleOutput(
         token_ids=ws.token_ids[:B],
         logprob=None if num_logprobs is None else ws.logprob[:B],

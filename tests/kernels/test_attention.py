@@ -162,11 +162,12 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
         assert result is out
     else:
         attn.run._run(
-            q, batch["key_cache"], batch["value_cache"], out, batch["cu_seqlens_q"],
-            batch["seq_lens"], batch["block_table"], batch["max_query_len"], batch["scale"],
-            options.get("sliding_window") or 0, options.get("softcap", 0.0),
-            options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"), workspace,
-            plan=plan,
+            q, batch["key_cache"], batch["value_cache"], out, paged_batch(batch),
+            attn.AttentionOptions(
+                batch["scale"], options.get("sliding_window"), options.get("softcap", 0.0),
+                options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"),
+            ),
+            workspace, plan=plan,
         )  # fmt: skip
     atol, rtol = TOL[q.dtype]
     assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="attention")
@@ -174,6 +175,13 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
     if workspace is not None:
         assert int(workspace.counters.abs().sum()) == 0, "split counters not reset"
     return out
+
+
+def paged_batch(batch: dict) -> attn.PagedBatch:
+    """The `PagedBatch` of a `make_batch` dict."""
+    return attn.PagedBatch(
+        batch["cu_seqlens_q"], batch["seq_lens"], batch["block_table"], batch["max_query_len"]
+    )
 
 
 def workspace(num_q_heads: int, head_size: int, max_splits: int = 4, rows: int = 32):
@@ -865,7 +873,7 @@ def test_warm_up_launches_each_variant_without_touching_the_cache():
     v_before = batch["value_cache"].clone()
     launched = attn.warm_up(
         batch["key_cache"], batch["value_cache"], batch["block_table"][:1], num_q_heads=8,
-        q_dtype=batch["q"].dtype, scale=0.125, workspace=ws,
+        q_dtype=batch["q"].dtype, options=attn.AttentionOptions(scale=0.125), workspace=ws,
     )  # fmt: skip
     assert launched == len(
         attn.reachable_plans(

@@ -13,7 +13,14 @@ import torch
 from fuselane.kernels import attention as attn
 from fuselane.kernels.attention import prefill_ws
 from tests.device import DEVICE
-from tests.kernels.test_attention import make_batch, nan_out, plan_for, run_case, workspace
+from tests.kernels.test_attention import (
+    make_batch,
+    nan_out,
+    paged_batch,
+    plan_for,
+    run_case,
+    workspace,
+)
 
 HOPPER = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (Gluon, wgmma)")
@@ -60,9 +67,8 @@ def assert_repeats_agree(batch: dict, ws, plan: attn.LaunchPlan, times: int = 20
     for _ in range(times):
         out = nan_out(b["q"])
         attn.run._run(
-            b["q"], b["key_cache"], b["value_cache"], out, b["cu_seqlens_q"], b["seq_lens"],
-            b["block_table"], b["max_query_len"], b["scale"], 0, 0.0, None, None, None, ws,
-            plan=plan,
+            b["q"], b["key_cache"], b["value_cache"], out, paged_batch(b),
+            attn.AttentionOptions(b["scale"]), ws, plan=plan,
         )  # fmt: skip
         assert torch.equal(out[:rows], first[:rows])
 
@@ -323,18 +329,20 @@ def test_launchers_bind_every_kernel_argument(monkeypatch, which):
         batch = ws_batch(WS_CASES[2])
         b = batch
         prefill_ws.launch_prefill_ws(
-            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), b["cu_seqlens_q"],
-            b["seq_lens"], b["block_table"], scale=0.1, block_m=256, block_n=64, min_q=8,
-            head_fast=True, num_warps=4, num_buf=4,
+            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), paged_batch(b),
+            attn.AttentionOptions(scale=0.1),
+            attn.PrefillConfig(block_m=256, block_n=64, min_q=8, num_warps=4, num_stages=4,
+                               head_fast=True, warp_specialized=True),
         )  # fmt: skip
     else:
         batch = ws_decode_batch(WS_DECODE_CASES[2])
         b = batch
         ws = workspace(16, 128, max_splits=8, rows=8)
         decode_ws.launch_decode_ws(
-            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), b["cu_seqlens_q"],
-            b["seq_lens"], b["block_table"], ws.partial_out, ws.partial_ml, ws.counters,
-            scale=0.1, tile_n=128, num_splits=4, num_buf=2, head_fast=False,
+            b["q"], b["key_cache"], b["value_cache"], nan_out(b["q"]), paged_batch(b),
+            attn.AttentionOptions(scale=0.1), ws,
+            attn.DecodeConfig(qpos=1, block_m=16, tile_n=128, num_splits=4, max_q=1,
+                              num_warps=4, num_stages=2, warp_specialized=True),
         )  # fmt: skip
     ((fn, args, kwargs),) = calls
     assert kwargs.pop("num_warps") == 4  # a launch option, not a kernel parameter
@@ -372,7 +380,12 @@ def test_a_hopper_kernel_failing_at_warm_up_is_switched_off(monkeypatch, strict)
     batch = ws_batch(WS_CASES[0])
     ws = workspace(WS_CASES[0][0], WS_CASES[0][2])
     args = (batch["key_cache"], batch["value_cache"], batch["block_table"][:1])
-    kw = dict(num_q_heads=batch["q"].shape[1], q_dtype=batch["q"].dtype, scale=0.1, workspace=ws)
+    kw = dict(
+        num_q_heads=batch["q"].shape[1],
+        q_dtype=batch["q"].dtype,
+        options=attn.AttentionOptions(scale=0.1),
+        workspace=ws,
+    )
     if strict:
         with pytest.raises(AttributeError, match="thread_barrier"):
             attn.warm_up(*args, **kw, strict=True)

@@ -324,7 +324,7 @@ def test_several_rows_per_program(rows_per_program, num_kv_heads):
     expected = base.clone()
     kv_cache_update_reference(key, value, *cache_views(expected, "nhd", D), slots)
     kvc.launch._launch_write(
-        key, value, *cache_views(base, "nhd", D), slots, None, None, False,
+        kvc.KVWrite(key, value, *cache_views(base, "nhd", D), slots), False,
         rows_per_program=rows_per_program,
     )  # fmt: skip
     assert_bitwise_equal(base, expected, "cache")
@@ -370,7 +370,7 @@ def test_write_addressing_variants(variant, cache_dtype, layout, rows_per_progra
     expected = base.clone()
     kv_cache_update_reference(key, value, *cache_views(expected, layout, D), slots, *scales)
     kvc.launch._launch_write(
-        key, value, *cache_views(base, layout, D), slots, *scales, fp8,
+        kvc.KVWrite(key, value, *cache_views(base, layout, D), slots, *scales), fp8,
         rows_per_program=rows_per_program, **ADDRESSING_VARIANTS[variant],
     )  # fmt: skip
     assert_bitwise_equal(base, expected, f"cache ({variant})")
@@ -389,7 +389,8 @@ def test_rope_int64_block_offset_addressing(is_neox):
     want_q = rotary_reference(positions, query, cs, is_neox)
     want_k = rotary_reference(positions, key, cs, is_neox)
     kvc.launch._launch_rope(
-        positions, query, key, value, cs, is_neox, *cache_views(base, "hnd", D), slots, *scales,
+        kvc.Rotary(positions, query, cs, is_neox),
+        kvc.KVWrite(key, value, *cache_views(base, "hnd", D), slots, *scales),
         True, offsets_64=True, flat_slots=False,
     )  # fmt: skip
     assert_close(query, want_q, atol=2e-3, rtol=2e-3, what="query")
@@ -607,8 +608,9 @@ def test_rotary_only_variant_leaves_cache_alone():
     want_q = rotary_reference(positions, query, cs, True)
     want_k = rotary_reference(positions, key, cs, True)
     kvc.launch._launch_rope(
-        positions, query, key, value, cs, True, *cache_views(base, "nhd", 64), arange(4),
-        None, None, False, write_cache=False,
+        kvc.Rotary(positions, query, cs, True),
+        kvc.KVWrite(key, value, *cache_views(base, "nhd", 64), arange(4)),
+        False, write_cache=False,
     )  # fmt: skip
     assert_close(query, want_q, atol=1e-5, rtol=1e-5, what="query")
     assert_close(key, want_k, atol=1e-5, rtol=1e-5, what="key")

@@ -99,8 +99,10 @@ def attention_inputs(seed=0):
     cu = torch.tensor([0, 1, 4], dtype=torch.int32)
     seq_lens = torch.tensor([20, 3], dtype=torch.int32)
     table = torch.tensor([[1, 4], [2, 0]], dtype=torch.int32)
-    kwargs = dict(max_query_len=3, min_query_len=1, max_seq_len=20, scale=0.125)
-    return (q, kc, vc, out, cu, seq_lens, table), kwargs
+    batch = attn_kernels.PagedBatch(cu, seq_lens, table, max_query_len=3, min_query_len=1,
+                                    max_seq_len=20)  # fmt: skip
+    # the bundled call the backend makes through its seam: attn_kernels.attention(*args)
+    return (q, kc, vc, out, batch, attn_kernels.AttentionOptions(scale=0.125)), {}
 
 
 # ---------------------------------------------------------------------------------- config
@@ -179,7 +181,7 @@ def test_off_runs_the_kernel_and_records_nothing(off):
     before = value("fuselane_kernel_launches_total")
     key, v, kc, vc, slots = kv_inputs()
     assert telemetry.note_step(torch.tensor([0, 1], dtype=torch.int32)) is None
-    seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)
+    seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))
     assert torch.equal(kc[1, 0], key[0]) and torch.equal(vc[5, 0], v[6])
     assert telemetry.get() is None
     assert seam._plan is telemetry._DIRECT  # resolved once: a plain call from now on
@@ -190,12 +192,12 @@ def test_fault_injection_works_with_telemetry_off(off, monkeypatch):
     monkeypatch.setenv("FUSELANE_FAULT_INJECT", "kv_cache")
     seam = telemetry.seam("kv_cache")
     key, v, kc, vc, slots = kv_inputs()
-    seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)
+    seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))
     assert torch.equal(kc[1, 0], key[0] + 1) and torch.equal(vc[1, 1], v[1] + 1)
     assert torch.count_nonzero(kc[0]) == 0  # padding rows untouched (slot 0 rewritten as is)
     stock = telemetry.seam("kv_cache", impl="stock")  # vLLM's own kernels are never corrupted
     key, v, kc, vc, slots = kv_inputs()
-    stock(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)
+    stock(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))
     assert torch.equal(kc[1, 0], key[0])
 
 
@@ -204,7 +206,7 @@ def test_fp8_cache_fault_changes_the_stored_rows(off, monkeypatch):
     key, v, kc, vc, slots = kv_inputs(torch.float32, torch.float8_e4m3fn)
     scale = torch.tensor([0.5])
     seam = telemetry.seam("kv_cache")
-    seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots, scale, scale)
+    seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale))
     clean = kv_kernels.quantize_e4m3_reference(key[0], scale).float()
     assert not torch.equal(kc[1, 0].float(), clean)
 
@@ -222,7 +224,7 @@ def test_kv_write_is_counted_timed_and_checked(tel):
     assert tel.step_phase() == "decode"
     for seed in range(3):
         key, v, kc, vc, slots = kv_inputs(seed=seed)
-        seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)
+        seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))
         assert torch.equal(kc[3, 3], key[5])
     tel.flush()
     assert value("fuselane_kernel_launches_total", **labels) == launches + 3
@@ -260,7 +262,7 @@ def test_attention_checks_pass_and_a_corrupted_kernel_fails(tel, monkeypatch):
     passed = value("fuselane_numerical_checks_total", result="pass", **labels)
     for _ in range(2):  # both sequences of the batch (the check rotates through them)
         args, kwargs = attention_inputs()
-        seam("mixed", attn_kernels.paged_attention, *args, **kwargs)
+        seam("mixed", attn_kernels.attention, *args, **kwargs)
     tel.flush()
     assert value("fuselane_numerical_checks_total", result="pass", **labels) == passed + 2
 
@@ -275,7 +277,7 @@ def test_attention_checks_pass_and_a_corrupted_kernel_fails(tel, monkeypatch):
     mismatched = value("fuselane_numerical_mismatched_elements_total", **labels)
     for _ in range(2):
         args, kwargs = attention_inputs()
-        seam("mixed", attn_kernels.paged_attention, *args, **kwargs)
+        seam("mixed", attn_kernels.attention, *args, **kwargs)
     tel.flush()
     assert value("fuselane_numerical_checks_total", result="fail", **labels) == failed + 2
     assert value("fuselane_numerical_max_abs_error_sum", **labels) >= errors + 2 * 0.99
@@ -298,9 +300,9 @@ def test_a_failing_check_does_not_break_the_call(tel):
     labels = dict(kernel="kv_cache", phase="unknown", impl="fuselane")
     errors = value("fuselane_numerical_checks_total", result="error", **labels)
     key, v, kc, vc, slots = kv_inputs()
-    seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)  # resolve the plan
+    seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))  # resolve the plan
     seam._plan = (seam._plan[0], None, Broken())
-    seam(None, kv_kernels.kv_cache_update, key, v, kc, vc, slots)
+    seam(None, kv_kernels.kv_write, kv_kernels.KVWrite(key, v, kc, vc, slots))
     tel.flush()
     assert value("fuselane_numerical_checks_total", result="error", **labels) == errors + 1
 
@@ -322,11 +324,11 @@ def test_stock_seam_is_counted_not_checked(tel):
 @pytest.mark.parametrize(
     "kernel,check",
     [
-        (attn_kernels.paged_attention, numerics.AttentionCheck),
-        (attn_kernels.paged_attention_unchecked, numerics.AttentionCheck),
-        (kv_kernels.kv_cache_update, numerics.KVWriteCheck),
-        (kv_kernels.kv_cache_update_unchecked, numerics.KVWriteCheck),
-        (kv_kernels.rope_kv_cache_update, numerics.RopeKVWriteCheck),
+        (attn_kernels.attention, numerics.AttentionCheck),
+        (attn_kernels.attention_unchecked, numerics.AttentionCheck),
+        (kv_kernels.kv_write, numerics.KVWriteCheck),
+        (kv_kernels.kv_write_unchecked, numerics.KVWriteCheck),
+        (kv_kernels.rope_kv_write, numerics.RopeKVWriteCheck),
         (sampling_kernels.fused_sample, numerics.SamplingCheck),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
@@ -354,11 +356,11 @@ def test_fp8_kv_write_check():
     key, v, kc, vc, slots = kv_inputs(torch.float32, torch.float8_e4m3fn)
     scale = torch.tensor([0.25])
     kv_kernels.kv_cache_update(key, v, kc, vc, slots, scale, scale)
-    snap = numerics.KVWriteCheck().after(None, None, key, v, kc, vc, slots, scale, scale)
+    snap = numerics.KVWriteCheck().after(None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale))
     out = snap.check()
     assert out.passed and out.max_abs == 0.0, out.detail
     kc.view(torch.uint8)[1, 0, 0, 0] ^= 0x10  # one stored byte off
-    out = numerics.KVWriteCheck().after(None, None, key, v, kc, vc, slots, scale, scale).check()
+    out = numerics.KVWriteCheck().after(None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale)).check()
     assert not out.passed and out.mismatched == 1
 
 
@@ -376,17 +378,21 @@ def test_rope_kv_write_check_keeps_the_inputs_before_the_launch():
     vc = torch.zeros_like(kc)
     slots = torch.tensor([1, 2, 20, 33])  # row 4 is rotated, not written
     args = (positions, query, key, value_, cos_sin, True, kc, vc, slots)
+    bundles = (
+        kv_kernels.Rotary(positions, query, cos_sin, True),
+        kv_kernels.KVWrite(key, value_, kc, vc, slots),
+    )
     check = numerics.RopeKVWriteCheck()
-    pre = check.before(*args)
+    pre = check.before(*bundles)
     kv_kernels.rope_kv_cache_update(*args)
-    out = check.after(pre, None, *args).check()
+    out = check.after(pre, None, *bundles).check()
     assert out.passed, out.detail
     # Again on the rotated tensors (the check compares with what they held before the launch),
     # now with a cache row damaged after the write.
-    pre = check.before(*args)
+    pre = check.before(*bundles)
     kv_kernels.rope_kv_cache_update(*args)
     kc[0, 1] += 1.0
-    out = check.after(pre, None, *args).check()
+    out = check.after(pre, None, *bundles).check()
     assert not out.passed and "key cache rows" in out.detail
     assert "rotated" not in out.detail
 
@@ -465,7 +471,7 @@ def test_attention_snapshot_too_large_is_dropped(tel, monkeypatch):
     labels = dict(kernel="attention", reason="check_too_large")
     dropped = value("fuselane_telemetry_dropped_total", **labels)
     args, kwargs = attention_inputs()
-    tel.seam("attention")("mixed", attn_kernels.paged_attention, *args, **kwargs)
+    tel.seam("attention")("mixed", attn_kernels.attention, *args, **kwargs)
     tel.flush()
     assert value("fuselane_telemetry_dropped_total", **labels) == dropped + 1
 
@@ -667,7 +673,7 @@ ENGINE_LIKE = textwrap.dedent(
     seam = telemetry.seam("kv_cache")
     for i in range(5):
         telemetry.note_step(torch.tensor([0, 1, 2, 3], dtype=torch.int32))
-        seam(None, kv.kv_cache_update, key, value, kc, vc, torch.tensor([1, 2, 3]) + 3 * i)
+        seam(None, kv.kv_write, kv.KVWrite(key, value, kc, vc, torch.tensor([1, 2, 3]) + 3 * i))
     telemetry.flush()
     print("PORT_READY", flush=True)
     if len(sys.argv) > 1:
