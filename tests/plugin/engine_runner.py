@@ -5,8 +5,8 @@ own FUSELANE_KERNELS, gets the plugin through the installed entry point and leav
 behind in the test process. It runs vLLM's in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the counters below see every call the engine makes:
 before the engine starts, the kernel entry points the plugin calls
-(`fuselane.kernels.attention.paged_attention`, `fuselane.kernels.kv_cache.kv_cache_update`,
-...) are wrapped with call counters.
+(`fuselane.kernels.attention.attention`, `fuselane.kernels.kv_cache.kv_write`, ...: the
+checked entry points, which a layer's first call takes) are wrapped with call counters.
 
     python tests/plugin/engine_runner.py MODEL_DIR OUT.json [--dtype float32] [--tokens 12]
 """
@@ -42,9 +42,9 @@ TOP_LOGPROBS = 2
 
 # (module, function) entry points the plugin calls: counted in this process.
 COUNTED = (
-    ("fuselane.kernels.attention", "paged_attention"),
-    ("fuselane.kernels.kv_cache", "kv_cache_update"),
-    ("fuselane.kernels.kv_cache", "rope_kv_cache_update"),
+    ("fuselane.kernels.attention", "attention"),
+    ("fuselane.kernels.kv_cache", "kv_write"),
+    ("fuselane.kernels.kv_cache", "rope_kv_write"),
     ("fuselane.kernels.sampling", "fused_sample"),
 )
 

@@ -22,8 +22,8 @@ NUM_LAYERS = 2  # the tiny model's
 def test_fuselane_engine_runs_fuselane_kernels(fuselane_run):
     result, log = fuselane_run
     counts = result["counts"]
-    attention = counts.get("fuselane.kernels.attention.paged_attention", 0)
-    kv = counts.get("fuselane.kernels.kv_cache.kv_cache_update", 0)
+    attention = counts.get("fuselane.kernels.attention.attention", 0)
+    kv = counts.get("fuselane.kernels.kv_cache.kv_write", 0)
     assert attention > 0, f"fuselane's attention never ran: {counts}\n{log[-3000:]}"
     # One KV write and one attention call per layer and step.
     assert kv == attention, counts

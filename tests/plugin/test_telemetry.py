@@ -356,11 +356,17 @@ def test_fp8_kv_write_check():
     key, v, kc, vc, slots = kv_inputs(torch.float32, torch.float8_e4m3fn)
     scale = torch.tensor([0.25])
     kv_kernels.kv_cache_update(key, v, kc, vc, slots, scale, scale)
-    snap = numerics.KVWriteCheck().after(None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale))
+    snap = numerics.KVWriteCheck().after(
+        None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale)
+    )
     out = snap.check()
     assert out.passed and out.max_abs == 0.0, out.detail
     kc.view(torch.uint8)[1, 0, 0, 0] ^= 0x10  # one stored byte off
-    out = numerics.KVWriteCheck().after(None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale)).check()
+    out = (
+        numerics.KVWriteCheck()
+        .after(None, None, kv_kernels.KVWrite(key, v, kc, vc, slots, scale, scale))
+        .check()
+    )
     assert not out.passed and out.mismatched == 1
 
 
