@@ -2,7 +2,8 @@
 
 `register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process it starts
 (API server, engine core, workers), before any model is built. It is small and lazy: it reads
-`FUSELANE_KERNELS`, registers fuselane's backend as `AttentionBackendEnum.CUSTOM`, and installs
+`FUSELANE_KERNELS`, refuses a process the selected kernels cannot run in (no GPU and no working
+Triton interpreter), registers fuselane's backend as `AttentionBackendEnum.CUSTOM`, and installs
 the backend chooser (`plugin/selector.py`); nothing from `fuselane.kernels` is imported until
 vLLM asks for a fuselane class. Calling it again in the same process does nothing.
 `unregister()` undoes every change, for tests.
@@ -12,7 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .config import ENV_VAR, FuselaneConfigError, KernelSelection, kernels_from_env
+from .config import (
+    ENV_VAR,
+    FuselaneConfigError,
+    KernelSelection,
+    interpreter_problem,
+    kernels_from_env,
+)
 
 BACKEND_PATH = "fuselane.plugin.backend.FuselaneAttentionBackend"
 
@@ -32,7 +39,8 @@ _undo: list[Callable[[], None]] = []
 
 
 def register() -> None:
-    """Entry point (`vllm.general_plugins`): idempotent, raises on an invalid FUSELANE_KERNELS."""
+    """Entry point (`vllm.general_plugins`): idempotent. Raises FuselaneConfigError on an
+    invalid FUSELANE_KERNELS or a process the selected kernels cannot run in."""
     global _selection
     selection = kernels_from_env()  # raises FuselaneConfigError, stopping vLLM's start-up
     if _selection is not None:
@@ -40,11 +48,23 @@ def register() -> None:
     # Without a GPU the kernels run under Triton's interpreter. Choosing it here sets
     # TRITON_INTERPRET for the engine processes vLLM spawns from this one, before they import
     # Triton (the kernel modules themselves are not imported yet).
+    import torch
+
     from fuselane.kernels import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
 
     from . import selector, telemetry, vllm_compat
+
+    # An in-process engine imported Triton before this ran, so the interpreter chosen above
+    # comes too late for it: say so now, not as an InterpreterError at the first request.
+    problem = interpreter_problem(
+        selection,
+        gpu=torch.cuda.is_available(),
+        engine_in_process=vllm_compat.engine_runs_in_process(),
+    )
+    if problem is not None:
+        raise FuselaneConfigError(problem)
 
     # Validates FUSELANE_TELEMETRY* / FUSELANE_FAULT_INJECT (a bad value stops the start, like a
     # bad FUSELANE_KERNELS) and, with telemetry on and a GPU, hooks CUDA-graph capture/replay

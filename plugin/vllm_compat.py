@@ -37,6 +37,8 @@ backend module touches them when vLLM imports it to build an engine.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -81,6 +83,14 @@ _LAZY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "V2BadWordsState": (("vllm.v1.worker.gpu.sample.bad_words", "BadWordsState"),),
     "v2_num_sampled_and_rejected": (
         ("vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected"),
+    ),
+    # Engine arguments as `vllm serve` parses them (the canary checks its arms' with these).
+    "FlexibleArgumentParser": (("vllm.utils.argparse_utils", "FlexibleArgumentParser"),),
+    "AsyncEngineArgs": (("vllm.engine.arg_utils", "AsyncEngineArgs"),),
+    "FrontendArgs": (
+        ("vllm.entrypoints.launchers.cli_args", "FrontendArgs"),  # 0.32
+        ("vllm.entrypoints.common.cli_args", "FrontendArgs"),  # 0.33
+        ("vllm.entrypoints.openai.cli_args", "FrontendArgs"),  # 0.26
     ),
 }
 
@@ -178,6 +188,33 @@ def vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "unknown")
+
+
+def engine_runs_in_process() -> bool:
+    """Whether vLLM's engine runs in the process that loads the plugin (vLLM's reading of
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`) rather than in a process of its own."""
+    import vllm.envs as envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+class EngineArgumentError(ValueError):
+    """vLLM's engine-argument parser refused a value (argparse's message)."""
+
+
+@functools.cache
+def engine_arg_parser() -> argparse.ArgumentParser:
+    """vLLM's own parser of engine arguments, as `vllm serve` builds it (`FrontendArgs` and
+    `AsyncEngineArgs`, the two Ray Serve LLM splits `engine_kwargs` into), raising
+    EngineArgumentError where argparse would exit. Built once: building it loads vLLM's general
+    plugins, which may add choices."""
+
+    class Parser(__getattr__("FlexibleArgumentParser")):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            raise EngineArgumentError(message)
+
+    parser = __getattr__("FrontendArgs").add_cli_args(Parser(add_help=False))
+    return __getattr__("AsyncEngineArgs").add_cli_args(parser)
 
 
 def get_logger() -> logging.Logger:
