@@ -6,11 +6,16 @@ policies. `serving/configs/*.yaml` are complete examples. Every error names the 
 dotted path (`routing.weight`, `arms.canary`, `model.source`) with what was expected and what
 was given, all errors at once.
 
-Nothing here imports Ray or vLLM: the CLI validates a file before it contacts a cluster.
+Strict throughout: no key twice, no boolean where a number is expected (`weight: true` is not
+1.0), no threshold that its window can never reach, the arms' fuselane variables parsed by the
+plugin's own parsers (`config_checks.py`). `load_config` also has vLLM's parser read the engine
+arguments; it is the only place that imports vLLM, when the CLI validates a file before it
+contacts a cluster. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -18,8 +23,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ARMS = ("stock", "custom")
-KERNELS_ENV = "FUSELANE_KERNELS"  # fuselane.plugin.config.ENV_VAR (names only: no plugin import)
+from fuselane.plugin.config import ENV_VAR as KERNELS_ENV
+from fuselane.plugin.config import host_problem
+
+from . import config_checks
+from .config_checks import ARMS, ENGINE_KEYS_FROM_MODEL, DuplicateKeyError
+
+log = logging.getLogger(__name__)
 
 
 class CanaryConfigError(ValueError):
@@ -27,8 +37,9 @@ class CanaryConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    # Unknown keys are errors: a misspelt `wieght` must not silently keep the default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are errors: a misspelt `wieght` must not silently keep the default. Strict
+    # types: YAML's `true` is no number and `2.0` no integer (an int is still a float).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Strict):
@@ -81,18 +92,10 @@ def _env_strings(v: Any) -> Any:
 
 
 class ArmsSpec(_Strict):
+    # Each arm's environment is checked as a whole (shared `env` under the arm's) by
+    # CanaryConfig: a FUSELANE_KERNELS in the shared `env` reaches the stock arm too.
     stock: ArmSpec = Field(default_factory=lambda: ArmSpec(env={KERNELS_ENV: "none"}))
     custom: ArmSpec = Field(default_factory=lambda: ArmSpec(env={KERNELS_ENV: "all"}))
-
-    @model_validator(mode="after")
-    def _kernels(self) -> ArmsSpec:
-        stock_kernels = self.stock.env.get(KERNELS_ENV, "none").strip().lower()
-        if stock_kernels not in ("", "none"):
-            raise ValueError(
-                f"arms.stock.env.{KERNELS_ENV}: the stock arm runs vLLM's own kernels; "
-                f"expected 'none' or unset, got {stock_kernels!r}"
-            )
-        return self
 
 
 class RoutingSpec(_Strict):
@@ -100,6 +103,9 @@ class RoutingSpec(_Strict):
     session_header: str = Field("x-session-id", min_length=1)
     use_user_field: bool = Field(True, description="the OpenAI `user` field is a sticky key")
     pin_header: str = Field("x-fuselane-arm", min_length=1)
+    allow_pin_custom: bool = Field(
+        False, description="whether `pin_header: custom` may pin a request to the custom arm"
+    )
 
 
 class ShadowSpec(_Strict):
@@ -114,11 +120,23 @@ class FailoverSpec(_Strict):
 
 
 class RollbackSpec(_Strict):
+    """The rules of `rollback.py`. A rule whose threshold is null is off (`max_latency_ratio:
+    null`: latency never rolls back); `enabled: false` turns them all off. A threshold that its
+    window can never reach is refused: it would switch its rule off without a word."""
+
     enabled: bool = True
     window: int = Field(200, ge=1, description="most recent outcomes per arm kept")
+    window_s: float | None = Field(
+        600.0, gt=0, description="outcomes older than this (s) leave the windows; null: none"
+    )
     min_requests: int = Field(20, ge=1, description="custom outcomes before rates are judged")
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0)
-    max_latency_ratio: float | None = Field(3.0, gt=0, description="custom p50 / stock p50")
+    max_latency_ratio: float | None = Field(
+        3.0, gt=0, description="custom p50 / stock p50, compiled kernels; null: rule off"
+    )
+    max_latency_ratio_interpreted: float | None = Field(
+        None, gt=0, description="the same while custom's kernels run interpreted; null: rule off"
+    )
     min_agreement: float | None = Field(0.98, ge=0.0, le=1.0)
     min_shadow_samples: int = Field(10, ge=1)
     max_numerical_check_failures: int | None = Field(0, ge=0)
@@ -126,10 +144,51 @@ class RollbackSpec(_Strict):
     check_result_label: str = Field("result", min_length=1)
     check_fail_values: list[str] = Field(default_factory=lambda: ["fail"], min_length=1)
 
+    @model_validator(mode="after")
+    def _reachable(self) -> RollbackSpec:
+        errors = []
+        # The rules judge only once this many outcomes are in a window of `window` (rollback.py:
+        # the error-rate and latency rules count custom / both arms' outcomes, the agreement
+        # rule mirrored pairs): a minimum above the window is never met.
+        for name, rules in (
+            ("min_requests", "the error-rate and latency rules"),
+            ("min_shadow_samples", "the agreement rule"),
+        ):
+            value = getattr(self, name)
+            if value > self.window:
+                errors.append(
+                    f"rollback.{name}: {value} is above rollback.window ({self.window}), "
+                    f"which keeps that many outcomes, so {rules} would never judge; expected "
+                    f"at most {self.window}"
+                )
+        if self.max_error_rate >= 1.0:
+            errors.append(
+                f"rollback.max_error_rate: {self.max_error_rate:g} can never be exceeded (the "
+                f"rule fires above it); expected below 1 (rollback.enabled: false turns "
+                f"rollback off)"
+            )
+        if self.min_agreement is not None and self.min_agreement <= 0.0:
+            errors.append(
+                f"rollback.min_agreement: {self.min_agreement:g} can never be undercut (the "
+                f"rule fires below it); expected above 0, or null to switch the rule off"
+            )
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
+
 
 class HttpSpec(_Strict):
+    # Another host than a loopback one is accepted with a warning (load_config).
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        problem = host_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 class IngressSpec(_Strict):
@@ -162,6 +221,33 @@ class CanaryConfig(_Strict):
         if not v.startswith("/"):
             raise ValueError(f"must start with '/', got {v!r}")
         return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        problem = config_checks.name_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _arms(self) -> CanaryConfig:
+        """Across fields: the engine arguments Ray Serve LLM sets itself, and each arm's
+        environment as its engines will read it."""
+        errors = [
+            f"{where}.{key}: set from model.id / model.source; Ray Serve LLM refuses it here"
+            for where, engine in (
+                ("engine", self.engine),
+                ("arms.stock.engine", self.arms.stock.engine),
+                ("arms.custom.engine", self.arms.custom.engine),
+            )
+            for key in ENGINE_KEYS_FROM_MODEL
+            if key in engine
+        ]
+        errors += config_checks.env_errors(self)
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
 
     def arm(self, name: str) -> ArmSpec:
         return getattr(self.arms, name)
@@ -202,7 +288,7 @@ def _describe(err: dict[str, Any]) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
         # Validators that span fields name the exact field themselves.
-        if msg.split(":", 1)[0].startswith(where):
+        if not loc or msg.split(":", 1)[0].startswith(where):
             return msg
         return f"{where}: {msg}"
     given = err.get("input")
@@ -222,17 +308,31 @@ def parse_config(data: Any, source: str = "config") -> CanaryConfig:
         ) from None
 
 
-def load_config(path: str | Path, *, check_paths: bool = True) -> CanaryConfig:
-    """Read and validate a YAML config. `check_paths`: a `model.source` that is a local path
-    must exist here (skip it when the model lives only on the cluster's nodes)."""
+def load_config(
+    path: str | Path, *, check_paths: bool = True, check_engine: bool = True
+) -> CanaryConfig:
+    """Read and validate a YAML config; log a warning for what is allowed but likely unintended.
+    `check_paths`: a `model.source` that is a local path must exist here (skip it when the model
+    lives only on the cluster's nodes). `check_engine`: vLLM's own parser reads the engine
+    arguments (imports vLLM: seconds; skipped with a warning where vLLM is not installed)."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = config_checks.load_yaml(p.read_text())
     except OSError as e:
         raise CanaryConfigError(f"{p}: cannot read the config: {e.strerror}") from None
+    except DuplicateKeyError as e:
+        raise CanaryConfigError(
+            f"{p}: {e}; a mapping takes each key once (YAML would keep the last silently)"
+        ) from None
     except yaml.YAMLError as e:
         raise CanaryConfigError(f"{p}: not valid YAML: {e}") from None
     config = parse_config(data, str(p))
+    if check_engine:
+        errors = config_checks.engine_errors(config)
+        if errors:
+            raise CanaryConfigError(f"{p}: invalid canary config:\n  " + "\n  ".join(errors))
+    for warning in config_checks.config_warnings(config):
+        log.warning("%s: %s", p, warning)
     src = config.model.source
     if src.startswith(("./", "../", "~")):
         # Replicas run elsewhere (another working directory, another node): send them an

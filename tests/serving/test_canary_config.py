@@ -96,7 +96,8 @@ def test_arm_environment_and_engine_merge(tmp_path):
 
 @pytest.mark.parametrize("name", ["canary-cpu-tiny.yaml", "canary-gpu.yaml"])
 def test_example_configs_are_valid(name):
-    c = load_config(CONFIGS / name, check_paths=False)
+    # vLLM's reading of their engine arguments: test_canary_config_strict.py, in a subprocess
+    c = load_config(CONFIGS / name, check_paths=False, check_engine=False)
     assert Path(c.model.source).is_absolute() or "/" in c.model.source
 
 
