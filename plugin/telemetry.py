@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from . import faults, kernel_timing, metrics_export, numerics
+from . import build_info, faults, kernel_timing, metrics_export, numerics
 from .telemetry_config import (
     ATTENTION,
     DECODE,
@@ -198,6 +198,8 @@ class Telemetry:
         self._stop = threading.Event()
         self.metrics.rates.labels("timing").set(config.timing_rate)
         self.metrics.rates.labels("check").set(config.check_rate)
+        info = build_info.build_info()
+        self.metrics.build.labels(*(info[k] for k in build_info.LABELS)).set(1)
         self._thread = threading.Thread(target=self._loop, name="fuselane-telemetry", daemon=True)
         self._thread.start()
         log.info(

