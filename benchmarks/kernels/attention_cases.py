@@ -1,9 +1,9 @@
 """`fuselane bench kernels`, attention: decode, prefill and mixed batches of each model shape.
 
-Inputs and checks are bench_attention's (`make_problem` over one random KV pool per model;
-`Expected`: the reference's output and its tolerance), with the model's head counts, head size,
-sliding window, soft cap and scale 1/sqrt(D). Every implementation's output is compared with
-the reference on the timed inputs; fuselane is timed only if it matches.
+Inputs and checks are bench_attention's (attention_workload.py: `make_problem` over one random
+KV pool per model; `Expected`: the reference's output and its tolerance), with the model's head
+counts, head size, sliding window, soft cap and scale 1/sqrt(D). Every implementation's output
+is compared with the reference on the timed inputs; fuselane is timed only if it matches.
 
 Peers: vLLM's `unified_attention` (TRITON_ATTN's kernel, its split scratch sized as
 triton_attn.py sizes it), FlashInfer's paged decode (tensor cores) and prefill wrappers
@@ -20,17 +20,14 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
-from fuselane.benchmarks.kernels import bench_attention as ba
+from fuselane.benchmarks.kernels import attention_workload as aw
+from fuselane.benchmarks.kernels.attention_timing import VllmScratch, vllm_attention
 from fuselane.benchmarks.kernels.grid import PAGE, SIZES, Case, ModelShape
 from fuselane.benchmarks.kernels.impls import Check, Context, Impl, Prepared, generator
 from fuselane.kernels import attention as attn
 
 DTYPE = torch.bfloat16
-WS_ROWS, WS_SPLITS = 256, 64  # split-KV workspace: as bench_attention
-# vLLM TRITON_ATTN (triton_attn.py): MIN_LAUNCH_GRID_SIZE_2D and NUM_PAR_SOFTMAX_SEGMENTS
-VLLM_MIN_GRID_2D, VLLM_SEGMENTS = 128, 16
 
 
 def visible_pairs(q_len: int, seq_len: int, window: int | None) -> int:
@@ -89,15 +86,17 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
     pool = ctx.keep(
         f"kv_pool:{hkv}x{d}",
-        lambda: ba.make_pool(pool_pages(ctx.grid), PAGE, hkv, d, DTYPE),
+        lambda: aw.make_pool(pool_pages(ctx.grid), PAGE, hkv, d, DTYPE),
     )
     ws = ctx.keep(
         f"attn_workspace:{hq}x{d}",
-        lambda: attn.AttentionWorkspace.allocate(WS_ROWS, hq, d, ctx.device, max_splits=WS_SPLITS),
+        lambda: attn.AttentionWorkspace.allocate(
+            aw.WS_ROWS, hq, d, ctx.device, max_splits=aw.WS_SPLITS
+        ),
     )
-    p = ba.make_problem(q_lens, lens, generator(ctx.device, case.seed), kv=pool, hq=hq)
+    p = aw.make_problem(q_lens, lens, generator(ctx.device, case.seed), kv=pool, hq=hq)
     opts = {"scale": d**-0.5, "sliding_window": m.sliding_window, "softcap": m.softcap}
-    expected = ba.Expected(p, case.section == "prefill", **opts)
+    expected = aw.Expected(p, case.section == "prefill", **opts)
     prep = Prepared(impls=[], extra={"window": m.sliding_window, "softcap": m.softcap})
     if case.section == "decode":
         keys = sum(n if m.sliding_window is None else min(n, m.sliding_window) for n in lens)
@@ -109,7 +108,7 @@ def prepare(ctx: Context, case: Case) -> Prepared:
         prep.flops = 4.0 * hq * d * pairs
 
     def fuselane():
-        out = ba.nan_like(p.q)
+        out = aw.nan_like(p.q)
         args = p.args(**opts)
         return lambda: attn.paged_attention(out=out, workspace=ws, **args), _check(expected, out)
 
@@ -144,50 +143,39 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     return prep
 
 
-def _check(expected: ba.Expected, out: torch.Tensor) -> Check:
+def _check(expected: aw.Expected, out: torch.Tensor) -> Check:
     return lambda: expected.check(out)
 
 
-def _vllm_setup(ctx: Context, p: ba.Problem, m: ModelShape, expected: ba.Expected):
+def _vllm_setup(ctx: Context, p: aw.Problem, m: ModelShape, expected: aw.Expected):
     def setup():
-        ua = ctx.peers.unified_attention
-        out = ba.nan_like(p.q)
+        out = aw.nan_like(p.q)
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
-        rows = VLLM_MIN_GRID_2D // hkv  # seq_threshold_3D: batches up to this take the 3-D path
-        f32 = dict(dtype=torch.float32, device=ctx.device)
-        segm_out = torch.empty(rows, hq, VLLM_SEGMENTS, triton.next_power_of_2(d), **f32)
-        segm_max = torch.empty(rows, hq, VLLM_SEGMENTS, **f32)
-        segm_expsum = torch.empty(rows, hq, VLLM_SEGMENTS, **f32)
-        descale = torch.ones((), **f32).expand(len(p.lens), hkv)  # as layer._k_scale.expand
+        scratch = VllmScratch.allocate(hq, hkv, d, ctx.device)
         window = (-1, -1) if m.sliding_window is None else (m.sliding_window - 1, 0)
-
-        def fn():
-            ua(
-                q=p.q, k=p.key_cache, v=p.value_cache, out=out, cu_seqlens_q=p.cu,
-                max_seqlen_q=max(p.q_lens), seqused_k=p.seq_lens, max_seqlen_k=max(p.lens),
-                softmax_scale=m.head_size**-0.5, causal=True, window_size=window,
-                block_table=p.block_table, softcap=m.softcap, q_descale=None,
-                k_descale=descale, v_descale=descale, seq_threshold_3D=rows,
-                num_par_softmax_segments=VLLM_SEGMENTS, softmax_segm_output=segm_out,
-                softmax_segm_max=segm_max, softmax_segm_expsum=segm_expsum,
-            )  # fmt: skip
-
+        ua = ctx.peers.unified_attention
+        fn = vllm_attention(
+            ua, p, out, scratch, scale=m.head_size**-0.5, window=window, softcap=m.softcap
+        )
         return fn, _check(expected, out)
 
     return setup
 
 
-def _flashinfer_setup(ctx: Context, p: ba.Problem, m: ModelShape, expected: ba.Expected, kind: str):
+def _flashinfer_setup(ctx: Context, p: aw.Problem, m: ModelShape, expected: aw.Expected, kind: str):
     def setup():
         fi = ctx.peers.flashinfer
-        out = ba.nan_like(p.q)
+        out = aw.nan_like(p.q)
         workspace = ctx.peers.fi_workspace(ctx.device)
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
         window_left = -1 if m.sliding_window is None else m.sliding_window - 1
         common = dict(
-            window_left=window_left, logits_soft_cap=m.softcap or None, q_data_type=DTYPE,
-            kv_data_type=DTYPE, sm_scale=d**-0.5,
-        )  # fmt: skip
+            window_left=window_left,
+            logits_soft_cap=m.softcap or None,
+            q_data_type=DTYPE,
+            kv_data_type=DTYPE,
+            sm_scale=d**-0.5,
+        )
         pages = (p.kv_indptr, p.kv_indices, p.kv_last_page_len)
         if kind == "decode":
             w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
@@ -200,7 +188,7 @@ def _flashinfer_setup(ctx: Context, p: ba.Problem, m: ModelShape, expected: ba.E
     return setup
 
 
-def _sdpa_setup(p: ba.Problem, m: ModelShape, expected: ba.Expected, backend: str | None):
+def _sdpa_setup(p: aw.Problem, m: ModelShape, expected: aw.Expected, backend: str | None):
     def setup():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -21,7 +21,6 @@ it once per step, not per layer).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -32,23 +31,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+if not __package__:  # run as a file: `fuselane` from this checkout (this folder is on sys.path)
+    import from_checkout  # noqa: F401
+
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, "") and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:
-    from fuselane.benchmarks import harness
-    from fuselane.benchmarks.kernels import bench_attention as ba
-    from fuselane.kernels import _launch
-    from fuselane.kernels import attention as attn
-    from fuselane.kernels import kv_cache as kvk
-except ImportError:
-    from benchmarks import harness
-    from benchmarks.kernels import bench_attention as ba
-    from kernels import _launch
-    from kernels import attention as attn
-    from kernels import kv_cache as kvk
+from fuselane.benchmarks import harness
+from fuselane.benchmarks.kernels import attention_workload as ba
+from fuselane.benchmarks.kernels import family_script
+from fuselane.benchmarks.kernels.attention_timing import Peers
+from fuselane.benchmarks.kernels.peers import RESHAPE_AND_CACHE_FLASH, import_peer
+from fuselane.kernels import _launch
+from fuselane.kernels import attention as attn
+from fuselane.kernels import kv_cache as kvk
 
 CALLS = 100  # per host-time sample; a few hundred launches stay within the launch queue
 SAMPLES = 7
@@ -140,8 +135,9 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     out.fill_(float("nan"))
     fuselane()
     ok, detail = expected.check(out)
-    peers.note(f"{case}: fuselane output after direct launches {'PASS' if ok else 'FAIL'} "
-               f"({detail})")  # fmt: skip
+    peers.note(
+        f"{case}: fuselane output after direct launches {'PASS' if ok else 'FAIL'} ({detail})"
+    )
     # a replay writes into its own output: record with one, replay into another (poisoned)
     attn.LAUNCHES.clear()
     unchecked()
@@ -150,8 +146,9 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     attn.paged_attention_unchecked(out=replayed, workspace=workspace, **a)
     ok, detail = expected.check(replayed)
     ok = ok and attn.LAUNCHES.hits == hits + 1
-    peers.note(f"{case}: fuselane output of a replayed launch {'PASS' if ok else 'FAIL'} "
-               f"({detail})")  # fmt: skip
+    peers.note(
+        f"{case}: fuselane output of a replayed launch {'PASS' if ok else 'FAIL'} ({detail})"
+    )
     check_args = (
         a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
         a["block_table"], a["max_query_len"], a["min_query_len"], a["max_seq_len"], a["scale"],
@@ -159,12 +156,17 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     )  # fmt: skip
     add_part(case, "fuselane:checks", lambda: attn.checks._check_args(*check_args))
     plan_args = dict(
-        num_seqs=len(p.lens), num_q_heads=ba.HQ, num_kv_heads=ba.HKV, head_size=ba.D,
-        max_query_len=max(p.q_lens), sms=attn.sm_count(p.q.device), workspace=workspace,
+        num_seqs=len(p.lens),
+        num_q_heads=ba.HQ,
+        num_kv_heads=ba.HKV,
+        head_size=ba.D,
+        max_query_len=max(p.q_lens),
+        sms=attn.sm_count(p.q.device),
+        workspace=workspace,
         warp_specialized=attn.warp_specialized_ok(
             p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
         ),
-    )  # fmt: skip
+    )
     add_part(case, "fuselane:plan", lambda: attn.plan_launch(**plan_args))
     if peers.vllm is not None:
         add(case, "vllm-triton-unified", peers.vllm_fn(p, torch.empty_like(p.q)))
@@ -175,10 +177,19 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
 
         def plan():
             wrapper.plan(
-                p.cu, p.kv_indptr, p.kv_indices, p.kv_last_page_len, ba.HQ, ba.HKV, ba.D,
-                ba.PAGE, causal=True, sm_scale=ba.SCALE, q_data_type=ba.DTYPE,
+                p.cu,
+                p.kv_indptr,
+                p.kv_indices,
+                p.kv_last_page_len,
+                ba.HQ,
+                ba.HKV,
+                ba.D,
+                ba.PAGE,
+                causal=True,
+                sm_scale=ba.SCALE,
+                q_data_type=ba.DTYPE,
                 kv_data_type=ba.DTYPE,
-            )  # fmt: skip
+            )
 
         plan()
         o = torch.empty_like(p.q)
@@ -295,8 +306,7 @@ def host_profile(fn: Callable[[], object], cycles_per_ms: float, calls: int = 20
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
+    parser = family_script.script_parser(__doc__)
     parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
     parser.add_argument(
         "--cprofile",
@@ -304,24 +314,15 @@ def main() -> int:
         help="also write a cProfile of the unchecked attention call and the KV write per case",
     )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_host_overhead needs a CUDA device", file=sys.stderr)
+    if family_script.no_cuda("bench_host_overhead"):
         return 2
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     report = harness.Report("host_overhead")
-    peers = ba.Peers(report)
+    peers = Peers(report)
     if args.no_flashinfer:
         peers.flashinfer = None
-    vllm_write = None
-    try:
-        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
-            triton_reshape_and_cache_flash,
-        )
-
-        vllm_write = triton_reshape_and_cache_flash
-    except Exception as e:  # noqa: BLE001 - any import failure disables this peer
-        peers.note(f"vllm triton_reshape_and_cache_flash unavailable: {e!r}")
+    vllm_write = import_peer(RESHAPE_AND_CACHE_FLASH, peers.note)
     cycles_per_ms = sleep_cycles_per_ms()
     print(f"device: {report.info}; GPU sleep {cycles_per_ms:.0f} cycles/ms", flush=True)
     workspace = attn.AttentionWorkspace.allocate(
@@ -333,10 +334,16 @@ def main() -> int:
         """A launch: host time (GPU kept busy) and GPU time."""
         h, waited = host_us(fn, cycles_per_ms)
         gpu_ms = harness.time_graph(fn)
-        report.add(harness.Row("host", case, impl, gpu_ms,
-                               extra=dict(host_us=round(h, 2), waited_for_gpu=waited)))  # fmt: skip
-        print(f"{case:34s} {impl:22s} host {h:8.2f} us  gpu {gpu_ms * 1e3:9.2f} us"
-              f"{'  WAITED FOR THE GPU' if waited else ''}", flush=True)  # fmt: skip
+        report.add(
+            harness.Row(
+                "host", case, impl, gpu_ms, extra=dict(host_us=round(h, 2), waited_for_gpu=waited)
+            )
+        )
+        print(
+            f"{case:34s} {impl:22s} host {h:8.2f} us  gpu {gpu_ms * 1e3:9.2f} us"
+            f"{'  WAITED FOR THE GPU' if waited else ''}",
+            flush=True,
+        )
 
     def add_part(case: str, impl: str, fn: Callable[[], object], launches: bool = False) -> None:
         """Host-only work (its row's time is host time; no ratio is taken)."""
@@ -344,16 +351,26 @@ def main() -> int:
             h, waited = host_us(fn, cycles_per_ms)
         else:
             h, waited = host_only_us(fn), False
-        report.add(harness.Row("host_parts", case, impl, h * 1e-3,
-                               extra=dict(host_us=round(h, 2), waited_for_gpu=waited)))  # fmt: skip
-        print(f"{case:34s} {impl:22s} host {h:8.2f} us"
-              f"{'  WAITED FOR THE GPU' if waited else ''}", flush=True)  # fmt: skip
+        report.add(
+            harness.Row(
+                "host_parts",
+                case,
+                impl,
+                h * 1e-3,
+                extra=dict(host_us=round(h, 2), waited_for_gpu=waited),
+            )
+        )
+        print(
+            f"{case:34s} {impl:22s} host {h:8.2f} us{'  WAITED FOR THE GPU' if waited else ''}",
+            flush=True,
+        )
 
     for case, (q_lens, lens) in CASES.items():
         p = ba.make_problem(q_lens, lens, gen, kv=pool)
         bench_attention_case(case, p, workspace, peers, add, add_part)
-        bench_write_case(f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add,
-                         add_part, peers.note)  # fmt: skip
+        bench_write_case(
+            f"{case} kv write", p, pool.shape[0] * ba.PAGE, vllm_write, add, add_part, peers.note
+        )
         if args.cprofile:
             profile_case(case, p, workspace, pool.shape[0] * ba.PAGE, cycles_per_ms, args.out)
     for out_dir in (args.out, None):

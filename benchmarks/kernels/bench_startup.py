@@ -12,45 +12,36 @@ Shapes: Llama-3-8B (Hq=32, Hkv=8, D=128, page 16, bf16, vocab 128256), max_num_s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fuselane-startup-triton-")
+if not __package__:  # run as a file: `fuselane` from this checkout (this folder is on sys.path)
+    import from_checkout  # noqa: F401
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, "") and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:
-    from fuselane.benchmarks import harness
-    from fuselane.kernels import _launch
-    from fuselane.kernels import attention as attn
-    from fuselane.kernels import kv_cache as kvk
-    from fuselane.kernels import sampling as smp
-    from fuselane.kernels.attention import decode as attention_decode
-    from fuselane.kernels.attention import prefill as attention_prefill
-except ImportError:
-    from benchmarks import harness
-    from kernels import _launch
-    from kernels import attention as attn
-    from kernels import kv_cache as kvk
-    from kernels import sampling as smp
-    from kernels.attention import decode as attention_decode
-    from kernels.attention import prefill as attention_prefill
+from fuselane.benchmarks import harness
+from fuselane.benchmarks.kernels import family_script
+from fuselane.kernels import _launch
+from fuselane.kernels import attention as attn
+from fuselane.kernels import kv_cache as kvk
+from fuselane.kernels import sampling as smp
+from fuselane.kernels.attention import decode as attention_decode
+from fuselane.kernels.attention import prefill as attention_prefill
 
 HQ, HKV, D, PAGE, VOCAB, MAX_SEQS = 32, 8, 128, 16, 128256, 256
 WORKERS = 8
 # The sampler hook's V1 parameter sets (plugin/sampler_common.py V1_WARM_PARAM_SETS).
 PARAM_SETS = (
-    ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
+    ("temperature",),
+    ("temperature", "top_k", "top_p"),
+    ("temperature", "top_p"),
     ("temperature", "top_k"),
-)  # fmt: skip
+)
 KERNELS = {
     "decode": attention_decode._decode_kernel,
     "reduce": attention_decode._splitkv_reduce_kernel,
@@ -63,8 +54,10 @@ KERNELS = {
 
 def compiled_counts() -> dict[str, int]:
     dev = torch.cuda.current_device()
-    return {k: len(fn.device_caches[dev][0]) if dev in fn.device_caches else 0
-            for k, fn in KERNELS.items()}  # fmt: skip
+    return {
+        k: len(fn.device_caches[dev][0]) if dev in fn.device_caches else 0
+        for k, fn in KERNELS.items()
+    }
 
 
 def timed(fn) -> float:
@@ -89,20 +82,25 @@ def serving_step(q_lens: list[int], key_cache, value_cache, block_table, workspa
     def step():
         kvk.kv_cache_update(k, k, key_cache, value_cache, slots)
         attn.paged_attention(
-            q, key_cache, value_cache, out, cu, lens, block_table[:seqs],
-            max_query_len=max(q_lens), max_seq_len=int(lens.max()), scale=D**-0.5,
+            q,
+            key_cache,
+            value_cache,
+            out,
+            cu,
+            lens,
+            block_table[:seqs],
+            max_query_len=max(q_lens),
+            max_seq_len=int(lens.max()),
+            scale=D**-0.5,
             workspace=workspace,
-        )  # fmt: skip
+        )
 
     return round(timed(step) * 1e3, 2)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_startup needs a CUDA device", file=sys.stderr)
+    args = family_script.script_parser(__doc__).parse_args()
+    if family_script.no_cuda("bench_startup"):
         return 2
     dev = torch.device("cuda")
     info = harness.device_info()
@@ -118,18 +116,26 @@ def main() -> int:
     def attention_warm():
         with _launch.compile_only(WORKERS):
             n = attn.warm_up(
-                key_cache, value_cache, block_table[:1], num_q_heads=HQ,
-                q_dtype=torch.bfloat16, scale=D**-0.5, workspace=workspace,
-            )  # fmt: skip
+                key_cache,
+                value_cache,
+                block_table[:1],
+                num_q_heads=HQ,
+                q_dtype=torch.bfloat16,
+                scale=D**-0.5,
+                workspace=workspace,
+            )
             n += kvk.warm_up_write(key_cache, value_cache, key_dtype=torch.bfloat16)
         result["attention_kv_launch_configs"] = n
 
     def sampling_warm():
         with _launch.compile_only(WORKERS):
             result["sampling_calls"] = smp.warm_up(
-                smp.SamplingParamsTensors(), sws, torch.float32, param_sets=PARAM_SETS,
+                smp.SamplingParamsTensors(),
+                sws,
+                torch.float32,
+                param_sets=PARAM_SETS,
                 num_logprobs=None,
-            )  # fmt: skip
+            )
 
     result["attention_kv_warm_up_s"] = round(timed(attention_warm), 2)
     result["sampling_warm_up_s"] = round(timed(sampling_warm), 2)
@@ -140,8 +146,17 @@ def main() -> int:
     # Serving-like launches of every configuration: nothing may compile now.
     first_ms: dict[str, float] = {}
     gen = torch.Generator(device=dev).manual_seed(0)
-    for q_lens in ([1], [1] * 8, [1] * 64, [1] * 256, [4] * 16, [512], [512] + [1] * 13,
-                   [2048, 2048], [8] * 100):  # fmt: skip
+    for q_lens in (
+        [1],
+        [1] * 8,
+        [1] * 64,
+        [1] * 256,
+        [4] * 16,
+        [512],
+        [512] + [1] * 13,
+        [2048, 2048],
+        [8] * 100,
+    ):
         label = f"attention+kv q_lens={q_lens[:3]}{'...' if len(q_lens) > 3 else ''} x{len(q_lens)}"
         first_ms[label] = serving_step(q_lens, key_cache, value_cache, block_table, workspace)
     for b in (1, 4, 5, 32, 33, 256):

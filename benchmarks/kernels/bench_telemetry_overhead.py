@@ -39,51 +39,21 @@ timed generate().
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import statistics
 import sys
-import types
 from pathlib import Path
+
+if not __package__:  # run as a file: `fuselane` from this checkout (this folder is on sys.path)
+    import from_checkout  # noqa: F401
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-def _import_fuselane() -> None:
-    """Make `fuselane.*` importable from a bare checkout (the GPU machine has no install):
-    the root folders are the package's subpackages, as pyproject's package-dir maps them."""
-    try:
-        import fuselane.plugin.telemetry  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    pkg = types.ModuleType("fuselane")
-    pkg.__path__ = []
-    sys.modules["fuselane"] = pkg
-    for sub in ("kernels", "plugin", "benchmarks"):
-        spec = importlib.util.spec_from_file_location(
-            f"fuselane.{sub}",
-            ROOT / sub / "__init__.py",
-            submodule_search_locations=[str(ROOT / sub)],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[f"fuselane.{sub}"] = mod
-        setattr(pkg, sub, mod)
-        spec.loader.exec_module(mod)
-
-
-_import_fuselane()
-
-from fuselane.benchmarks import harness  # noqa: E402
-from fuselane.kernels import attention as attn  # noqa: E402
-from fuselane.kernels import kv_cache as kv  # noqa: E402
-from fuselane.plugin import kernel_timing, telemetry  # noqa: E402
+from fuselane.benchmarks import harness
+from fuselane.kernels import attention as attn
+from fuselane.kernels import kv_cache as kv
+from fuselane.plugin import kernel_timing, telemetry
 
 LAYERS, HQ, HKV, D, PAGE = 32, 32, 8, 128, 16
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -160,10 +130,20 @@ class Step:
     def attention(self, layer: int) -> None:
         kc, vc = self.cache(layer)
         ATTENTION_SEAM(
-            "decode", attn.paged_attention, self.q, kc, vc, self.out, self.cu, self.seq_lens,
-            self.block_table, max_query_len=1, max_seq_len=self.ctx, scale=D**-0.5,
+            "decode",
+            attn.paged_attention,
+            self.q,
+            kc,
+            vc,
+            self.out,
+            self.cu,
+            self.seq_lens,
+            self.block_table,
+            max_query_len=1,
+            max_seq_len=self.ctx,
+            scale=D**-0.5,
             workspace=self.workspace,
-        )  # fmt: skip
+        )
 
     def run(self) -> None:
         for layer in range(LAYERS):

@@ -1,6 +1,7 @@
 """The peers `fuselane bench kernels` times fuselane against, and FlashInfer's JIT builds.
 
-Peers are optional: whatever imports is timed, whatever does not is named in the results.
+Peers are optional: whatever imports is timed, whatever does not is named in the results
+(`import_peer`, which the per-family scripts and bench_host_overhead import theirs with too).
 - vllm: vLLM's own Triton kernels (`unified_attention`, TRITON_ATTN's kernel, and
   `triton_reshape_and_cache_flash`), from an installed vLLM or the staged kernel files;
 - flashinfer: paged decode/prefill wrappers, `append_paged_kv_cache`, top-k/top-p sampling;
@@ -18,6 +19,7 @@ CUDA-graph captures, as a thread could.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -58,38 +60,47 @@ class Peers:
         return self._fi_workspace
 
 
+# The optional peers a benchmark imports: (what a note calls it, module, attribute or None)
+UNIFIED_ATTENTION = (
+    "vllm unified_attention",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "unified_attention",
+)
+RESHAPE_AND_CACHE_FLASH = (
+    "vllm triton_reshape_and_cache_flash",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "triton_reshape_and_cache_flash",
+)
+FLASHINFER = ("flashinfer", "flashinfer", None)
+
+
+def import_peer(peer: tuple[str, str, str | None], note: Callable[[str], None]) -> Any:
+    """The module or attribute `peer` names; None and a note if it does not import."""
+    label, module, attr = peer
+    try:
+        imported = importlib.import_module(module)
+        return imported if attr is None else getattr(imported, attr)
+    except Exception as e:  # noqa: BLE001 - any import failure disables this peer
+        note(f"{label} unavailable: {e!r}")
+        return None
+
+
 def discover(enabled: frozenset[str], note: Callable[[str], None]) -> Peers:
     """Import the enabled peers; what fails to import is noted and left out."""
     peers = Peers(enabled=enabled)
     peers.versions["torch"] = torch.__version__
     if "vllm" in enabled:
-        try:
-            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-
-            peers.unified_attention = unified_attention
-        except Exception as e:  # noqa: BLE001 - any import failure disables this peer
-            note(f"vllm unified_attention unavailable: {e!r}")
-        try:
-            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
-                triton_reshape_and_cache_flash,
-            )
-
-            peers.reshape_and_cache_flash = triton_reshape_and_cache_flash
-        except Exception as e:  # noqa: BLE001
-            note(f"vllm triton_reshape_and_cache_flash unavailable: {e!r}")
+        peers.unified_attention = import_peer(UNIFIED_ATTENTION, note)
+        peers.reshape_and_cache_flash = import_peer(RESHAPE_AND_CACHE_FLASH, note)
         if peers.unified_attention or peers.reshape_and_cache_flash:
             import vllm
 
             # the staged kernel files (no vllm install) carry no version
             peers.versions["vllm"] = getattr(vllm, "__version__", "Triton kernel files")
     if "flashinfer" in enabled:
-        try:
-            import flashinfer
-
-            peers.flashinfer = flashinfer
-            peers.versions["flashinfer"] = getattr(flashinfer, "__version__", "unknown")
-        except Exception as e:  # noqa: BLE001
-            note(f"flashinfer unavailable: {e!r}")
+        peers.flashinfer = import_peer(FLASHINFER, note)
+        if peers.flashinfer is not None:
+            peers.versions["flashinfer"] = getattr(peers.flashinfer, "__version__", "unknown")
     return peers
 
 
@@ -194,18 +205,28 @@ def warm(spec_json: str) -> None:
         hq, hkv, d, page = spec["num_q_heads"], spec["num_kv_heads"], spec["head_size"], 16
         ws = torch.zeros(16 << 20, dtype=torch.uint8, device=dev)
         one = dict(
-            num_kv_heads=hkv, page_size=page, sm_scale=d**-0.5, q_data_type=bf16,
-            kv_data_type=bf16, window_left=spec["window_left"],
+            num_kv_heads=hkv,
+            page_size=page,
+            sm_scale=d**-0.5,
+            q_data_type=bf16,
+            kv_data_type=bf16,
+            window_left=spec["window_left"],
             logits_soft_cap=spec["softcap"] or None,
-        )  # fmt: skip
+        )
         pages = (torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([1], **i32))
         if kind == "decode":
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             w.plan(*pages, num_qo_heads=hq, head_dim=d, **one)
         else:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-            w.plan(torch.tensor([0, 1], **i32), *pages, num_qo_heads=hq, head_dim_qk=d,
-                   causal=True, **one)  # fmt: skip
+            w.plan(
+                torch.tensor([0, 1], **i32),
+                *pages,
+                num_qo_heads=hq,
+                head_dim_qk=d,
+                causal=True,
+                **one,
+            )
     elif kind == "page":
         k = torch.zeros(1, 1, 64, dtype=bf16, device=dev)
         cache = torch.zeros(1, 16, 1, 64, dtype=bf16, device=dev)

@@ -4,8 +4,9 @@ For each case (grid.py), in the grid's model-major order: build the inputs and t
 (the family's `prepare`), then for each implementation run one call (compile / JIT happen
 here; its duration is kept as `first_call_s`), check the output against the reference where
 the family can (fuselane is timed only if it matches; a peer that differs is timed and
-marked), and time it as bench_attention does: CUDA-graph replay of enough calls for ~5 ms,
-median of enough replays for ~0.3 s (eager, and said so, if the call cannot be captured).
+marked), and time it as the per-family scripts do (family_script.py): CUDA-graph replay of
+enough calls for ~5 ms, median of enough replays for ~0.3 s (eager, and said so, if the call
+cannot be captured).
 
 FlashInfer rows whose JIT module is still being built by `peers.FlashInferWarmup` wait until
 the end of the run, then are timed on inputs built again from the same seeds. The run stops
@@ -28,7 +29,7 @@ from typing import Protocol
 import torch
 
 from fuselane.benchmarks import harness
-from fuselane.benchmarks.kernels import bench_attention, grid, outputs
+from fuselane.benchmarks.kernels import family_script, grid, outputs
 from fuselane.benchmarks.kernels.impls import Context, Impl, Prepared, bench_scripts_on
 from fuselane.benchmarks.kernels.peers import PEERS, FlashInferWarmup, discover
 
@@ -37,8 +38,6 @@ FAMILY_MODULES = {
     "kv_cache": "fuselane.benchmarks.kernels.kv_cache_cases",
     "sampling": "fuselane.benchmarks.kernels.sampling_cases",
 }
-# Timing loop sizes (bench_attention's): calls per graph for ~5 ms, replays for ~0.3 s
-GRAPH_MS, MEASURE_MS = 5.0, 300.0
 # Share of the budget after which no new case starts: the rest is for the FlashInfer rows
 # that waited for their builds (a few tenths of a second each).
 MAIN_PASS_SHARE = 0.85
@@ -152,18 +151,15 @@ def run(opts: Options, events: Events) -> Outcome:
         paths = outputs.write_all(payload, opts.out)
     if not any(k.startswith("png:") for k in paths):
         events.log("PNG plots skipped: matplotlib is not installed (pip install matplotlib)")
-    return Outcome(paths, state.failures, state.skipped, payload["elapsed_s"],
-                   outputs.markdown(payload))  # fmt: skip
+    return Outcome(
+        paths, state.failures, state.skipped, payload["elapsed_s"], outputs.markdown(payload)
+    )
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """The run's own ceilings: the rooflines, and every row's share of them, divide by these."""
     if device.type == "cuda":
-        return {
-            "copy_tbps": round(harness.copy_ceiling_tbps(), 3),
-            "gemm_tflops": round(harness.gemm_ceiling_tflops(), 1),
-            "empty_kernel_us": round(harness.empty_kernel_ms() * 1e3, 3),
-        }
+        return family_script.rounded(family_script.measure_ceilings(gemm=True))
     # Interpreter smoke run: the host's copy and matmul rates, so every output has ceilings.
     src = torch.randn(1 << 22)
     dst = torch.empty_like(src)
@@ -186,15 +182,9 @@ def time_call(fn: Callable[[], object], interpret: bool) -> tuple[float, str]:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3, "interpreter, one call"
-    est = bench_attention.estimate_ms(fn)
-    calls = max(1, min(20, round(GRAPH_MS / est)))
-    reps = max(5, min(50, round(MEASURE_MS / (est * calls))))
-    try:
-        return harness.time_graph(fn, calls_per_graph=calls, reps=reps), "cuda-graph"
-    except Exception as e:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
-        _sync()
-        how = f"eager (graph capture failed: {type(e).__name__})"
-        return harness.time_eager(fn, reps=reps), how
+    calls, reps = family_script.loop_sizes(fn)
+    ms, failed = family_script.time_graph_or_eager(fn, calls_per_graph=calls, reps=reps)
+    return ms, "cuda-graph" if failed is None else family_script.eager_timing(failed)
 
 
 def _sync() -> None:
@@ -249,6 +239,16 @@ def _run_deferred(state: _Run) -> None:
             _run_case(state, case, only=ready)
 
 
+def _failed(state: _Run, label: str, what: str, e: Exception, ours: bool) -> None:
+    """A call that raised: its traceback, the device waited for, a note (`{label}: {what}`),
+    and a failure of the run where the call was fuselane's."""
+    traceback.print_exc()
+    _sync()
+    state.note(f"{label}: {what}: {e!r}")
+    if ours:
+        state.failures.append(f"{label}: {what}")
+
+
 def _run_impl(state: _Run, case: grid.Case, prep: Prepared, impl: Impl) -> None:
     label = f"{case.section} {case.key} {impl.name}"
     ours = impl.peer == "fuselane"
@@ -259,11 +259,7 @@ def _run_impl(state: _Run, case: grid.Case, prep: Prepared, impl: Impl) -> None:
         _sync()
         first_s = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001 - an implementation that cannot run is reported
-        traceback.print_exc()
-        _sync()
-        state.note(f"{label}: failed to run: {e!r}")
-        if ours:
-            state.failures.append(f"{label}: failed to run")
+        _failed(state, label, "failed to run", e, ours)
         return
     extra: dict[str, object] = {
         "family": case.family,
@@ -291,11 +287,7 @@ def _run_impl(state: _Run, case: grid.Case, prep: Prepared, impl: Impl) -> None:
     try:
         ms, how = time_call(fn, state.opts.interpret)
     except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        _sync()
-        state.note(f"{label}: timing failed: {e!r}")
-        if ours:
-            state.failures.append(f"{label}: timing failed")
+        _failed(state, label, "timing failed", e, ours)
         return
     extra["timing"] = how
     row = state.report.add(
