@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuselane.benchmarks.kernels import attention_workload, bench_kv_cache
+from fuselane.benchmarks.kernels import attention_workload, kv_cache_workload
 from fuselane.benchmarks.kernels.peers import Peers
 
 Check = Callable[[], tuple[bool, str]]
@@ -70,10 +70,11 @@ def generator(device: torch.device, seed: int, on_device: bool = False) -> torch
 def bench_scripts_on(device: torch.device) -> Iterator[None]:
     """Point the bench scripts' input builders at `device` for the duration of a run.
 
-    Their `DEVICE` module constants exist for exactly this (every module of a script reads its
-    family's at call time); the interpreter smoke run builds its inputs on the CPU.
+    The `DEVICE` constants of their workload modules exist for exactly this (every module of a
+    script reads its family's at call time); the interpreter smoke run builds its inputs on the
+    CPU.
     """
-    modules = (attention_workload, bench_kv_cache)
+    modules = (attention_workload, kv_cache_workload)
     saved = [m.DEVICE for m in modules]
     for m in modules:
         m.DEVICE = device.type

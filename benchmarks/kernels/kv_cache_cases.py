@@ -1,10 +1,10 @@
 """`fuselane bench kernels`, KV-cache writes: bf16 and fp8 (quantize-on-write) paged writes and the
 fused RoPE + write, for each model's KV shape.
 
-Inputs are bench_kv_cache's (`make_batch`: up to 256 tokens are a decode batch, more are
-2048-token prefill chunks, pages a random permutation; `make_cache`: TRITON_ATTN's layout, K
-and V as views of one NaN-poisoned tensor; `rope_cos_sin`), with the model's heads and head
-size; key, value (and query) are strided views of one fused QKV output. fuselane's cache must
+Inputs are bench_kv_cache's (kv_cache_workload.py; `make_batch`: up to 256 tokens are a decode
+batch, more are 2048-token prefill chunks, pages a random permutation; `make_cache`: TRITON_ATTN's
+layout, K and V as views of one NaN-poisoned tensor; `rope_cos_sin`), with the model's heads and
+head size; key, value (and query) are strided views of one fused QKV output. fuselane's cache must
 equal the reference's bit for bit on the timed inputs (fused RoPE: q and k within rounding of
 the reference rotary); a peer that writes other bytes is timed and says so in its row.
 
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from fuselane.benchmarks.kernels import bench_kv_cache as bk
+from fuselane.benchmarks.kernels import kv_cache_workload as kvw
 from fuselane.benchmarks.kernels.grid import PAGE, Case, ModelShape
 from fuselane.benchmarks.kernels.impls import Check, Context, Impl, Prepared, generator
 from fuselane.kernels import kv_cache as kvc
 
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
-ROPE_MAX_POS = bk.DECODE_MAX_CONTEXT + bk.PREFILL_CHUNK  # past every position make_batch draws
+ROPE_MAX_POS = kvw.DECODE_MAX_CONTEXT + kvw.PREFILL_CHUNK  # past every position make_batch draws
 
 
 def warmups(case: Case) -> dict[str, dict[str, object]]:
@@ -38,9 +38,9 @@ def warmups(case: Case) -> dict[str, dict[str, object]]:
 def prepare(ctx: Context, case: Case) -> Prepared:
     tokens = case.params["tokens"]
     gen = generator(ctx.device, case.seed)
-    batch = bk.make_batch(tokens, gen)
+    batch = kvw.make_batch(tokens, gen)
     m = case.shape
-    q, k, v = bk.make_qkv(tokens, gen, DTYPE, m.num_q_heads, m.num_kv_heads, m.head_size)
+    q, k, v = kvw.make_qkv(tokens, gen, DTYPE, m.num_q_heads, m.num_kv_heads, m.head_size)
     if case.section == "rope_kv_write":
         return _rope(ctx, m, batch, q, k, v)
     return _write(ctx, m, batch, k, v, fp8=case.section == "kv_write_fp8")
@@ -50,20 +50,20 @@ def _write(ctx: Context, m: ModelShape, batch, k, v, fp8: bool) -> Prepared:
     hkv, d, dev = m.num_kv_heads, m.head_size, ctx.device
     tokens, slots = batch.num_tokens, batch.slot_mapping
     cache_dtype = FP8 if fp8 else DTYPE
-    base, kc, vc = bk.make_cache(batch.num_pages, cache_dtype, PAGE, hkv, d)
-    want, kw, vw = bk.make_cache(batch.num_pages, cache_dtype, PAGE, hkv, d)
-    k_scale = torch.tensor([bk.K_SCALE if fp8 else 1.0], device=dev)
-    v_scale = torch.tensor([bk.V_SCALE if fp8 else 1.0], device=dev)
+    base, kc, vc = kvw.make_cache(batch.num_pages, cache_dtype, PAGE, hkv, d)
+    want, kw, vw = kvw.make_cache(batch.num_pages, cache_dtype, PAGE, hkv, d)
+    k_scale = torch.tensor([kvw.K_SCALE if fp8 else 1.0], device=dev)
+    v_scale = torch.tensor([kvw.V_SCALE if fp8 else 1.0], device=dev)
     scales = (k_scale, v_scale) if fp8 else ()
     kvc.kv_cache_update_reference(k, v, kw, vw, slots, *scales)
 
     def exact() -> tuple[bool, str]:
-        bad = bk.mismatches(base, want)
+        bad = kvw.mismatches(base, want)
         return bad == 0, f"{bad} of {base.numel()} cache elements differ bitwise from the reference"
 
     def impl(name: str, peer: str, call, warm: str | None = None) -> Impl:
         def setup():
-            bk.poison(base)  # what a call does not write stays NaN and fails the check
+            kvw.poison(base)  # what a call does not write stays NaN and fails the check
             return call, exact
 
         return Impl(name, peer, setup, warm=warm)
@@ -73,26 +73,8 @@ def _write(ctx: Context, m: ModelShape, batch, k, v, fp8: bool) -> Prepared:
     ]
     peers = ctx.peers
     if peers.torch:
-        kc_flat, vc_flat = kc.flatten(0, 1), vc.flatten(0, 1)
-        if fp8:
-            kc_u8, vc_u8 = kc_flat.view(torch.uint8), vc_flat.view(torch.uint8)
-
-            def torch_write():
-                kc_u8.index_copy_(
-                    0, slots, kvc.quantize_e4m3_reference(k, k_scale).view(torch.uint8)
-                )
-                vc_u8.index_copy_(
-                    0, slots, kvc.quantize_e4m3_reference(v, v_scale).view(torch.uint8)
-                )
-
-            impls.append(impl("torch-quant+index_copy", "torch", torch_write))
-        else:
-
-            def torch_write():
-                kc_flat.index_copy_(0, slots, k)
-                vc_flat.index_copy_(0, slots, v)
-
-            impls.append(impl("torch-index_copy", "torch", torch_write))
+        name, torch_write = kvw.torch_write(k, v, kc, vc, slots, scales or None)
+        impls.append(impl(name, "torch", torch_write))
     if peers.reshape_and_cache_flash is not None:
         kv_dtype = "fp8" if fp8 else "auto"
         impls.append(
@@ -108,15 +90,8 @@ def _write(ctx: Context, m: ModelShape, batch, k, v, fp8: bool) -> Prepared:
         fi = peers.flashinfer
 
         def flashinfer_setup():
-            bi, pos = fi.get_batch_indices_positions(batch.append_indptr, batch.seq_lens, tokens)
-            bk.poison(base)
-
-            def call():
-                fi.append_paged_kv_cache(
-                    k, v, bi, pos, (kc, vc), batch.kv_indices, batch.kv_indptr,
-                    batch.kv_last_page_len, "NHD",
-                )  # fmt: skip
-
+            call = kvw.flashinfer_append(fi, batch, k, v, kc, vc)
+            kvw.poison(base)
             return call, exact
 
         impls.append(
@@ -129,9 +104,9 @@ def _write(ctx: Context, m: ModelShape, batch, k, v, fp8: bool) -> Prepared:
 def _rope(ctx: Context, m: ModelShape, batch, q, k, v) -> Prepared:
     hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
     tokens, pos, slots = batch.num_tokens, batch.positions, batch.slot_mapping
-    cs = bk.rope_cos_sin(ROPE_MAX_POS, d, DTYPE)
-    base, kc, vc = bk.make_cache(batch.num_pages, DTYPE, PAGE, hkv, d)
-    atol, rtol = bk.ROTARY_TOL[DTYPE]
+    cs = kvw.rope_cos_sin(ROPE_MAX_POS, d, DTYPE)
+    base, kc, vc = kvw.make_cache(batch.num_pages, DTYPE, PAGE, hkv, d)
+    atol, rtol = kvw.ROTARY_TOL[DTYPE]
 
     def fused():
         kvc.rope_kv_cache_update(pos, q, k, v, cs, True, kc, vc, slots)
@@ -141,16 +116,12 @@ def _rope(ctx: Context, m: ModelShape, batch, q, k, v) -> Prepared:
         # from the values the first call starts from
         want_q = kvc.rotary_reference(pos, q, cs, True)
         want_k = kvc.rotary_reference(pos, k, cs, True)
-        bk.poison(base)
+        kvw.poison(base)
         return fused, _rope_check(m, batch, q, k, v, want_q, want_k, base, atol, rtol)
 
-    def torch_rotary():
-        q.copy_(kvc.rotary_reference(pos, q, cs, True))
-        k.copy_(kvc.rotary_reference(pos, k, cs, True))
-
-    def then_fuselane():
-        torch_rotary()
-        kvc.kv_cache_update(k, v, kc, vc, slots)
+    then_fuselane = kvw.rotary_then(
+        pos, q, k, cs, True, lambda: kvc.kv_cache_update(k, v, kc, vc, slots)
+    )
 
     impls = [Impl("fuselane", "fuselane", fused_setup)]
     peers = ctx.peers
@@ -159,9 +130,10 @@ def _rope(ctx: Context, m: ModelShape, batch, q, k, v) -> Prepared:
     if peers.reshape_and_cache_flash is not None:
         one = torch.ones(1, device=ctx.device)
 
-        def then_vllm():
-            torch_rotary()
+        def vllm_write():
             peers.reshape_and_cache_flash(k, v, kc, vc, slots, "auto", one, one)
+
+        then_vllm = kvw.rotary_then(pos, q, k, cs, True, vllm_write)
 
         impls.append(Impl("torch-rotary+vllm-write", "vllm", lambda: (then_vllm, None)))
     el = q.element_size()
@@ -180,9 +152,9 @@ def _rope_check(m: ModelShape, batch, q, k, v, want_q, want_k, base, atol, rtol)
             k, want_k, atol=atol, rtol=rtol
         )
         # the cache must hold exactly what the reference write makes of the rotated key
-        want, kw, vw = bk.make_cache(batch.num_pages, DTYPE, PAGE, m.num_kv_heads, m.head_size)
+        want, kw, vw = kvw.make_cache(batch.num_pages, DTYPE, PAGE, m.num_kv_heads, m.head_size)
         kvc.kv_cache_update_reference(k, v, kw, vw, batch.slot_mapping)
-        bad = bk.mismatches(base, want)
+        bad = kvw.mismatches(base, want)
         ok = close and bad == 0
         return ok, f"q/k within atol {atol} rtol {rtol}: {close}; {bad} cache elements differ"
 
