@@ -1,9 +1,10 @@
 """`fuselane bench kernels`, sampling: the fused sampler at each model's vocabulary.
 
-Logits and parameters are bench_sampling's (randn * 3 plus three strong tokens per row; T=0.7,
-top-k 50, top-p 0.9, every row seeded as vLLM's V2 runner seeds it). fuselane is timed as the
-plugin calls it (no logprobs), after bench_sampling's `compare` against the torch reference on
-the same inputs (kept sets and drawn tokens; rounding ties counted apart, not as failures).
+Logits and parameters are bench_sampling's (sampling_workload.py: randn * 3 plus three strong
+tokens per row; T=0.7, top-k 50, top-p 0.9, every row seeded as vLLM's V2 runner seeds it).
+fuselane is timed as the plugin calls it (no logprobs), after bench_sampling's `compare` against
+the torch reference on the same inputs (kept sets and drawn tokens; rounding ties counted apart,
+not as failures).
 
 Peers: FlashInfer's `top_k_top_p_sampling_from_logits` on logits already divided by T, and
 `torch-sort (vLLM fallback)`: the reference's sort-based top-k/top-p, softmax and exponential
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fuselane.benchmarks.kernels import bench_sampling as bs
+from fuselane.benchmarks.kernels import sampling_workload as sw
 from fuselane.benchmarks.kernels.grid import Case
 from fuselane.benchmarks.kernels.impls import Context, Impl, Prepared, generator
 from fuselane.kernels import sampling as smp
@@ -29,13 +30,13 @@ def warmups(case: Case) -> dict[str, dict[str, object]]:
 def prepare(ctx: Context, case: Case) -> Prepared:
     batch, vocab, dev = case.params["batch"], case.shape.vocab, ctx.device
     gen = generator(dev, case.seed, on_device=True)  # bench_sampling draws on the device
-    x = bs.make_logits(batch, vocab, gen, dev)
-    prm = bs.make_params(batch, vocab, gen, dev)
-    ws = smp.SamplingWorkspace.allocate(batch, vocab, dev, max_logprobs=5, arith=bs.ARITH)
+    x = sw.make_logits(batch, vocab, gen, dev)
+    prm = sw.make_params(batch, vocab, gen, dev)
+    ws = smp.SamplingWorkspace.allocate(batch, vocab, dev, max_logprobs=5, arith=sw.ARITH)
 
     def fuselane():
         def check() -> tuple[bool, str]:
-            ok, summary, _ = bs.compare(x, prm, ws, num_logprobs=None)
+            ok, summary, _ = sw.compare(x, prm, ws, num_logprobs=None)
             return ok, summary
 
         return lambda: smp.fused_sample(x, prm, workspace=ws, num_logprobs=None), check
