@@ -166,13 +166,12 @@ def fuselane_fn(
     if plan is None:
         return lambda: attn.paged_attention(out=out, workspace=run.workspace, **args)
     a = args
+    batch = attn.PagedBatch(a["cu_seqlens_q"], a["seq_lens"], a["block_table"], a["max_query_len"])
+    options = attn.AttentionOptions(a["scale"], k_scale=a["k_scale"], v_scale=a["v_scale"])
 
     def fn():  # a sweep point: the same launch code with another config
-        attn.run._run(
-            a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
-            a["block_table"], a["max_query_len"], a["scale"], 0, 0.0, None, a["k_scale"],
-            a["v_scale"], run.workspace, plan=plan,
-        )  # fmt: skip
+        attn.run._run(a["q"], a["key_cache"], a["value_cache"], out, batch, options,
+                      run.workspace, plan=plan)  # fmt: skip
 
     return fn
 

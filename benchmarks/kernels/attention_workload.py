@@ -110,6 +110,15 @@ class Problem:
             **options,
         )
 
+    def bundles(self) -> tuple[attn.PagedBatch, attn.AttentionOptions]:
+        """The batch and options as vLLM's backend passes them (built once per step / layer)."""
+        a = self.args()
+        batch = attn.PagedBatch(
+            a["cu_seqlens_q"], a["seq_lens"], a["block_table"], a["max_query_len"],
+            a["min_query_len"], a["max_seq_len"],
+        )  # fmt: skip
+        return batch, attn.AttentionOptions(a["scale"], k_scale=a["k_scale"], v_scale=a["v_scale"])
+
 
 def make_pool(num_pages: int, page: int, heads: int, head_size: int, dtype) -> torch.Tensor:
     """Random KV pages [num_pages, 2, page, heads, head_size] (fp8: e4m3 codes of 2*randn)."""

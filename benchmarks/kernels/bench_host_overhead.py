@@ -118,8 +118,10 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
 
     add(case, "fuselane", fuselane)
 
-    def unchecked():
-        attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
+    batch, options = p.bundles()
+
+    def unchecked(into: torch.Tensor = out):  # as vLLM's backend calls it, layer by layer
+        attn.attention_unchecked(p.q, p.key_cache, p.value_cache, into, batch, options, workspace)
 
     add(case, "fuselane (unchecked, a step's first layer)", first_layer(unchecked, attn.LAUNCHES))
     add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
@@ -143,7 +145,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     unchecked()
     replayed = torch.full_like(out, float("nan"))
     hits = attn.LAUNCHES.hits
-    attn.paged_attention_unchecked(out=replayed, workspace=workspace, **a)
+    unchecked(replayed)
     ok, detail = expected.check(replayed)
     ok = ok and attn.LAUNCHES.hits == hits + 1
     peers.note(
@@ -232,19 +234,19 @@ def bench_write_case(case: str, p, num_slots: int, vllm_write, add, add_part, no
     )
     note(f"{case}: fuselane write after direct launches {'PASS' if same else 'FAIL'}")
 
-    def unchecked():
-        kvk.kv_cache_update_unchecked(key, value, kc, vc, slots)
+    def unchecked():  # as vLLM's backend calls it: one KVWrite per layer call
+        kvk.kv_write_unchecked(kvk.KVWrite(key, value, kc, vc, slots))
 
     recorded = first_layer(unchecked, kvk.WRITE_LAUNCHES)
     add(case, "fuselane (unchecked, a step's first layer)", recorded)
     add(case, "fuselane (unchecked, later layers: replayed)", unchecked)
     # a replay writes into its own caches: recorded on one pair, replayed on fresh ones
     kvk.WRITE_LAUNCHES.clear()
-    kvk.kv_cache_update_unchecked(key, value, want_k.clone(), want_v.clone(), slots)
+    kvk.kv_write_unchecked(kvk.KVWrite(key, value, want_k.clone(), want_v.clone(), slots))
     got_k.fill_(float("nan"))
     got_v.fill_(float("nan"))
     hits = kvk.WRITE_LAUNCHES.hits
-    kvk.kv_cache_update_unchecked(key, value, got_k, got_v, slots)
+    kvk.kv_write_unchecked(kvk.KVWrite(key, value, got_k, got_v, slots))
     same = kvk.WRITE_LAUNCHES.hits == hits + 1 and all(
         torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))
         for g, w in ((got_k, want_k), (got_v, want_v))
@@ -259,19 +261,19 @@ def profile_case(case: str, p, workspace, num_slots: int, cycles_per_ms: float, 
     """`host_profile` of the attention call and the KV write of one case, as the backend makes
     them (unchecked), written to out_dir/host_profile-<case>.txt."""
     out = torch.empty_like(p.q)
-    a = p.args()
     key, value, slots = new_tokens(p, num_slots)
+    batch, options = p.bundles()
 
     def attention():
-        attn.paged_attention_unchecked(out=out, workspace=workspace, **a)
+        attn.attention_unchecked(p.q, p.key_cache, p.value_cache, out, batch, options, workspace)
 
     def write():
-        kvk.kv_cache_update_unchecked(key, value, p.key_cache, p.value_cache, slots)
+        kvk.kv_write_unchecked(kvk.KVWrite(key, value, p.key_cache, p.value_cache, slots))
 
     text = [
-        "attention (paged_attention_unchecked), later layers: replayed",
+        "attention (attention_unchecked), later layers: replayed",
         host_profile(attention, cycles_per_ms),
-        "attention (paged_attention_unchecked), a step's first layer: launched and recorded",
+        "attention (attention_unchecked), a step's first layer: launched and recorded",
         host_profile(first_layer(attention, attn.LAUNCHES), cycles_per_ms),
         "kv write (kv_cache_update_unchecked), later layers: replayed",
         host_profile(write, cycles_per_ms),

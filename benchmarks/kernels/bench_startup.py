@@ -121,7 +121,7 @@ def main() -> int:
                 block_table[:1],
                 num_q_heads=HQ,
                 q_dtype=torch.bfloat16,
-                scale=D**-0.5,
+                options=attn.AttentionOptions(scale=D**-0.5),
                 workspace=workspace,
             )
             n += kvk.warm_up_write(key_cache, value_cache, key_dtype=torch.bfloat16)

@@ -92,10 +92,9 @@ def check_write(case: tuple, gen: torch.Generator) -> tuple[bool, str]:
     flat = kvc.plan._flat_slots(kc, vc)
     if addr == "64":
         kv_scales = scales or (None, None)
-        fp8 = kvc.checks._check_write_args(k, v, kc, vc, slots, *kv_scales)
-        kvc.launch._launch_write(
-            k, v, kc, vc, slots, *kv_scales, fp8, offsets_64=True, flat_slots=False
-        )
+        write = kvc.KVWrite(k, v, kc, vc, slots, *kv_scales)
+        fp8 = kvc.checks._check_write_args(write)
+        kvc.launch._launch_write(write, fp8, offsets_64=True, flat_slots=False)
         offsets_64, flat = True, False
     else:
         kvc.kv_cache_update(k, v, kc, vc, slots, *scales)
@@ -134,9 +133,10 @@ def check_rope(case: tuple, gen: torch.Generator) -> tuple[bool, str]:
     want_k = kvc.rotary_reference(positions, k, cs, neox)
     if addr == "64":
         kv_scales = scales or (None, None)
-        fp8 = kvc.checks._check_write_args(k, v, kc, vc, slots, *kv_scales)
-        kvc.launch._launch_rope(positions, q, k, v, cs, neox, kc, vc, slots, *kv_scales, fp8,
-                         offsets_64=True, flat_slots=False)  # fmt: skip
+        write = kvc.KVWrite(k, v, kc, vc, slots, *kv_scales)
+        fp8 = kvc.checks._check_write_args(write)
+        rotary = kvc.Rotary(positions, q, cs, neox)
+        kvc.launch._launch_rope(rotary, write, fp8, offsets_64=True, flat_slots=False)
     else:
         kvc.rope_kv_cache_update(positions, q, k, v, cs, neox, kc, vc, slots, *scales)
     torch.cuda.synchronize()

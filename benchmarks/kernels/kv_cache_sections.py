@@ -215,7 +215,10 @@ def bench_rope(
 
     def fuselane_rotary_then_write():
         kvc.launch._launch_rope(
-            pos, q, k, v, cs, neox, kc, vc, slots, None, None, False, write_cache=False
+            kvc.Rotary(pos, q, cs, neox),
+            kvc.KVWrite(k, v, kc, vc, slots),
+            False,
+            write_cache=False,
         )
         kvc.kv_cache_update(k, v, kc, vc, slots)
 

@@ -72,7 +72,7 @@ def bench_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
     rule = kvc.plan._write_launch_config(tokens, HKV * D)
 
     def launcher(**kw: object) -> Callable[[], object]:
-        return lambda: kvc.launch._launch_write(k, v, kc, vc, slots, None, None, False, **kw)
+        return lambda: kvc.launch._launch_write(kvc.KVWrite(k, v, kc, vc, slots), False, **kw)
 
     impls = [("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots))]
     for rows in SWEEP_ROWS:
@@ -98,7 +98,9 @@ def bench_fp8_sweep(run: Runner, tokens: int, gen: torch.Generator) -> None:
     nbytes = write_bytes(tokens, 2, 1)
 
     def launcher(**kw: object) -> Callable[[], object]:
-        return lambda: kvc.launch._launch_write(k, v, kc, vc, slots, *scales, True, **kw)
+        return lambda: kvc.launch._launch_write(
+            kvc.KVWrite(k, v, kc, vc, slots, *scales), True, **kw
+        )
 
     impls = [
         ("fuselane", lambda: kvc.kv_cache_update(k, v, kc, vc, slots, *scales)),
