@@ -54,11 +54,38 @@ def arm_args(config: CanaryConfig, arm: str) -> dict[str, Any]:
     }
 
 
+def ingress_deployment(config: CanaryConfig) -> Any:
+    """The ingress as a Serve deployment (a fresh FastAPI app each call: no import-time state).
+    Completions and chat take the raw request: the ingress reads the body itself
+    (`router.read_body`), so that a body not sent as JSON gets a 4xx, not FastAPI's bytes."""
+    from ray import serve
+    from ray.serve.llm.ingress import make_fastapi_ingress
+
+    from .ray_compat import DEFAULT_ENDPOINTS
+    from .router import CanaryIngress
+
+    endpoints = {
+        "models": DEFAULT_ENDPOINTS["models"],
+        "model_data": DEFAULT_ENDPOINTS["model_data"],
+        "completions": DEFAULT_ENDPOINTS["completions"],
+        "chat": DEFAULT_ENDPOINTS["chat"],
+        "canary_status": lambda app: app.get("/canary/status"),
+    }
+    cls = make_fastapi_ingress(CanaryIngress, endpoint_map=endpoints)
+    return serve.deployment(
+        cls,
+        name=INGRESS,
+        num_replicas=config.ingress.replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+        user_config=config.user_config(),
+    )
+
+
 def build_app(config: CanaryConfig) -> Any:
     """The whole canary as one Serve application (`ray.serve.Application`)."""
     from .engine import build_arm
     from .monitor import CanaryMonitor
-    from .router import ingress_deployment
 
     data = config.model_dump(mode="json")
     monitor = CanaryMonitor.bind(data)
@@ -90,7 +117,6 @@ def arm_builder(args: dict[str, Any]) -> Any:
 def ingress_builder(args: dict[str, Any]) -> Any:
     """Multi-app builder of the ingress and the monitor: `args` = `{"config": {...}}`."""
     from .monitor import CanaryMonitor
-    from .router import ingress_deployment
 
     config = _config_from_args(args)
     data = config.model_dump(mode="json")

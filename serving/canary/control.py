@@ -164,16 +164,18 @@ def format_status(st: dict[str, Any]) -> str:
             f"(weight was {rb['weight_before']:g}; `fuselane canary weight W` sets it back)"
         )
     lines.append("")
-    head = f"{'arm':<8}{'requests':>10}{'share':>8}{'ok':>8}{'errors':>8}{'4xx':>6}"
+    head = f"{'arm':<8}{'requests':>10}{'share':>8}{'ok':>8}{'errors':>8}{'cut':>6}{'4xx':>6}"
     head += f"{'err% win':>10}{'p50 ms':>9}{'p95 ms':>9}"
     lines.append(head)
     for arm in ("stock", "custom"):
         a = st["arms"][arm]
         lines.append(
             f"{arm:<8}{a['requests']:>10}{a['traffic_share'] * 100:>7.1f}%{a['ok']:>8}"
-            f"{a['errors']:>8}{a['client_errors']:>6}{a['error_rate_window'] * 100:>9.1f}%"
+            f"{a['errors']:>8}{a.get('streams_cut', 0):>6}{a['client_errors']:>6}"
+            f"{a['error_rate_window'] * 100:>9.1f}%"
             f"{_ms(a['latency_p50_s']):>9}{_ms(a['latency_p95_s']):>9}"
         )
+    lines.append("(cut: streams that failed after their first chunk, also among the errors)")
     fo = st.get("failovers") or {}
     lines.append("")
     lines.append(
@@ -187,6 +189,16 @@ def format_status(st: dict[str, Any]) -> str:
         f"mean agreement {'-' if mean is None else f'{mean:.3f}'}; "
         f"max |logprob diff| {sh['max_logprob_diff']:.2e}"
     )
+    if sh["errors"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted((sh.get("error_types") or {}).items()))
+        lines.append(f"  failed pairs: {kinds}; last: {sh.get('last_error')}")
+    rule = st.get("latency_rule") or {}
+    if rule.get("custom_interpreted"):
+        ratio = rule.get("max_ratio")
+        lines.append(
+            "latency rule: custom's kernels run under Triton's interpreter: "
+            + ("off" if ratio is None else f"ratio {ratio:g}")
+        )
     kc = st["kernel_checks"]
     lines.append(
         f"numerical-check failures on custom since the last operator action: "

@@ -8,6 +8,9 @@ per arm; the OpenAI serving objects are vLLM's own (`init_app_state`). fuselane 
   the replica's `runtime_env`, which vLLM's EngineCore process inherits;
 - a fresh `PROMETHEUS_MULTIPROC_DIR` per replica, read back and mirrored into Ray's export
   (`kernel_metrics`), and the numerical-check failures pushed to the monitor for rollback;
+- whether the arm's fuselane kernels run under Triton's interpreter (a CPU, or
+  `TRITON_INTERPRET=1`), sent with the check failures: the latency rollback rule reads another
+  ratio for interpreted kernels, which are slow by construction;
 - on the CPU with one worker, vLLM's in-process executor (`uni`) instead of the `mp` executor
   Ray Serve LLM forces for CPU deployments: one fewer process per replica (the worker's
   import of torch and vLLM took ~30 s of the ~85 s start on two cores), same engine;
@@ -20,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.llm import LLMConfig, build_llm_deployment
 from ray.serve.llm.deployment import LLMServer
 
+from fuselane.plugin import config as plugin_config
 from fuselane.plugin import vllm_compat
 
 from . import kernel_metrics as km
@@ -36,6 +41,21 @@ logger = logging.getLogger("ray.serve")
 # How often a replica reads its engine's fuselane metrics and reports check failures.
 KERNEL_METRICS_INTERVAL_S = 2.0
 MONITOR = "CanaryMonitor"
+
+
+def kernels_interpreted(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this replica's engine runs fuselane kernels under Triton's interpreter: some
+    kernels on (`FUSELANE_KERNELS`), and the interpreter asked for or no GPU for them (the
+    plugin then chooses it, `kernels.use_interpreter_without_gpu`)."""
+    env = os.environ if env is None else env
+    try:
+        if not plugin_config.kernels_from_env(env).families:
+            return False
+    except plugin_config.FuselaneConfigError:
+        return False  # the engine refused to start with it: no kernel runs
+    if env.get(plugin_config.INTERPRET_ENV_VAR, "0") not in ("", "0"):
+        return True
+    return vllm_compat.platform_is_cpu()
 
 
 class LocalModelCallback(CallbackBase):
@@ -113,6 +133,7 @@ class ArmServer(LLMServer):
     async def _kernel_metrics_loop(self) -> None:
         path = os.environ.get(km.MULTIPROC_ENV, "")
         replica = self._replica_id()
+        interpreted = kernels_interpreted()
         while True:
             await asyncio.sleep(KERNEL_METRICS_INTERVAL_S)
             try:
@@ -127,7 +148,7 @@ class ArmServer(LLMServer):
                         self._checks.get("fail_values", ["fail"]),
                     )
                     await monitor.report_kernels.remote(
-                        replica, self._arm, failed, total, km.summary(samples)
+                        replica, self._arm, failed, total, km.summary(samples), interpreted
                     )
             except asyncio.CancelledError:
                 raise

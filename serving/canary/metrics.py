@@ -4,7 +4,7 @@ Names follow fuselane's convention, `fuselane_canary_<thing>_<unit>`, counters e
 `_total`; Ray's exporter prefixes every application metric with `ray_` (so Prometheus sees
 `ray_fuselane_canary_requests_total`) and adds its own labels (node, worker). Our labels are
 bounded: `arm` (stock, custom), `result` (ok, error, client_error), `reason` (the rollback
-reasons, or the failover causes).
+reasons, or the failover causes: timeout, unavailable, error, cooldown, rollback, weight_zero).
 
 Objects are made in a replica's constructor, never at import (`ray.util.metrics` needs a
 connected Ray worker).
@@ -35,6 +35,12 @@ class IngressMetrics:
             boundaries=LATENCY_BOUNDARIES,
             tag_keys=("arm",),
         )
+        self.streams_cut = Counter(
+            "fuselane_canary_streams_cut_total",
+            description="Streams that failed after their first chunk (the client got an error "
+            "event, no [DONE]), by arm; each is also a request with result error.",
+            tag_keys=("arm",),
+        )
         self.failovers = Counter(
             "fuselane_canary_failovers_total",
             description="Requests meant for custom that stock answered, by cause.",
@@ -60,6 +66,9 @@ class IngressMetrics:
         self.requests.inc(1, tags={"arm": arm, "result": result})
         if result == "ok" and latency_s is not None:
             self.latency.observe(latency_s, tags={"arm": arm})
+
+    def stream_cut(self, arm: str) -> None:
+        self.streams_cut.inc(1, tags={"arm": arm})
 
     def failover(self, reason: str) -> None:
         self.failovers.inc(1, tags={"reason": reason})

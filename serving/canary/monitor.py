@@ -7,6 +7,8 @@ the cumulative per-arm tallies behind `fuselane canary status`, and the rollback
 
 A rollback holds until an operator acts: a `user_config` with a higher `epoch` (what
 `fuselane canary weight W` sends). Replica restarts re-send the same epoch and change nothing.
+The rules' windows are `rollback.RollbackJudge`'s, on this replica's monotonic clock (the time
+a report arrives: at most one report interval after the request ended).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ray import serve
 
 from .config import CanaryConfig
 from .metrics import MonitorMetrics
-from .rollback import RollbackJudge
+from .rollback import Outcome, RollbackJudge
+from .shadow import PairResult
 
 LATENCY_SAMPLES = 2000  # per arm, for the status table's percentiles
 
@@ -49,11 +52,14 @@ class CanaryMonitor:
         }
         self.failovers: Counter = Counter()
         self.shadow = {"compared": 0, "exact": 0, "errors": 0, "max_logprob_diff": 0.0}
+        self.shadow_errors: Counter = Counter()  # by exception type: a bounded set
+        self.last_shadow_error: str | None = None
         self.agreements: deque[float] = deque(maxlen=self.config.rollback.window)
         # replica id -> (failed, total) checks as last reported; baseline at the last reset.
         self.kernel_checks: dict[str, tuple[float, float]] = {}
         self.check_baseline: dict[str, float] = {}
         self.kernel_samples: dict[str, dict[str, Any]] = {}
+        self.interpreted: dict[str, bool] = {}  # custom replica id -> runs Triton's interpreter
         self.started = time.time()
         self._publish()
 
@@ -94,38 +100,54 @@ class CanaryMonitor:
     # -- reports ---------------------------------------------------------------------------
 
     async def report(self, outcomes: list[tuple], comparisons: list[tuple]) -> dict[str, Any]:
-        """Outcomes: (arm, result, latency_s | None, failover_reason | None, epoch).
-        Comparisons: (agreement | None, exact | None, max_logprob_diff, epoch). Reports from
-        an older epoch count in the tallies but not in the rollback windows."""
-        for arm, result, latency, failover, epoch in outcomes:
-            self.results[arm][result] += 1
-            if failover:
-                self.failovers[failover] += 1
-            ok = result == "ok"
-            if ok and latency is not None:
-                self.latencies[arm].append(latency)
-            if result == "client_error" or epoch < self.epoch:
-                continue  # the request's fault, or judged before the operator's last action
-            self.judge.add_outcome(arm, ok, latency)
-        for agreement, exact, lp_diff, epoch in comparisons:
-            if agreement is None:
+        """Outcomes: `rollback.Outcome`s; comparisons: `shadow.PairResult`s. Reports from an
+        older epoch count in the tallies but not in the rollback windows, nor do outcomes the
+        ingress folded into an incident already counted (`Outcome.judged`)."""
+        now = time.monotonic()
+        for o in map(Outcome._make, outcomes):
+            self.results[o.arm][o.result] += 1
+            if o.failover:
+                self.failovers[o.failover] += 1
+            ok = o.result == "ok"
+            if ok and o.latency_s is not None:
+                self.latencies[o.arm].append(o.latency_s)
+            if o.result == "client_error" or o.epoch < self.epoch or not o.judged:
+                continue  # the request's fault, judged before the last operator action, or folded
+            self.judge.add_outcome(o.arm, ok, o.latency_s, now)
+        for p in map(PairResult._make, comparisons):
+            if p.agreement is None:
                 self.shadow["errors"] += 1
+                reason = p.error or "unknown: no reason reported"
+                self.shadow_errors[reason.split(":", 1)[0]] += 1
+                self.last_shadow_error = reason
                 continue
             self.shadow["compared"] += 1
-            self.shadow["exact"] += int(bool(exact))
-            self.shadow["max_logprob_diff"] = max(self.shadow["max_logprob_diff"], lp_diff)
-            self.agreements.append(agreement)
-            if epoch >= self.epoch:
-                self.judge.add_agreement(agreement)
+            self.shadow["exact"] += int(bool(p.exact))
+            self.shadow["max_logprob_diff"] = max(
+                self.shadow["max_logprob_diff"], p.max_logprob_diff
+            )
+            self.agreements.append(p.agreement)
+            if p.epoch >= self.epoch:
+                self.judge.add_agreement(p.agreement, now)
         self._evaluate()
         return self._state()
 
     async def report_kernels(
-        self, replica: str, arm: str, failed: float, total: float, samples: list[dict[str, Any]]
+        self,
+        replica: str,
+        arm: str,
+        failed: float,
+        total: float,
+        samples: list[dict[str, Any]],
+        interpreted: bool = False,
     ) -> None:
+        """A replica's kernel metrics and numerical-check counts; `interpreted`: its fuselane
+        kernels run under Triton's interpreter (the latency rule reads another ratio then)."""
         self.kernel_samples[replica] = {"arm": arm, "samples": samples, "at": time.time()}
         if arm != "custom":
             return
+        self.interpreted[replica] = interpreted
+        self.judge.custom_interpreted = any(self.interpreted.values())
         self.kernel_checks[replica] = (failed, total)
         self.check_baseline.setdefault(replica, 0.0)
         self.judge.check_failures = int(
@@ -159,7 +181,8 @@ class CanaryMonitor:
             arms[arm] = {
                 "requests": attempts,
                 "ok": res["ok"],
-                "errors": res["error"],
+                "errors": res["error"] + res["stream_cut"],
+                "streams_cut": res["stream_cut"],
                 "client_errors": res["client_error"],
                 "error_rate_window": self.judge.arms[arm].error_rate(),
                 "latency_p50_s": _percentile(lat, 50),
@@ -169,6 +192,8 @@ class CanaryMonitor:
         for a in arms.values():
             a["traffic_share"] = a["requests"] / total if total else 0.0
         shadow = dict(self.shadow)
+        shadow["error_types"] = dict(self.shadow_errors)
+        shadow["last_error"] = self.last_shadow_error
         shadow["agreement_mean_window"] = (
             sum(self.agreements) / len(self.agreements) if self.agreements else None
         )
@@ -181,6 +206,10 @@ class CanaryMonitor:
             "arms": arms,
             "failovers": dict(self.failovers),
             "shadow": shadow,
+            "latency_rule": {
+                "custom_interpreted": self.judge.custom_interpreted,
+                "max_ratio": self.judge.latency_limit(),
+            },
             "kernel_checks": {
                 "failed_since_reset": self.judge.check_failures,
                 "by_replica": {

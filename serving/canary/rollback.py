@@ -1,29 +1,46 @@
 """Sliding windows of the arms' outcomes, and the rollback decision.
 
-The custom arm is rolled back (its weight forced to 0) when, in the most recent window:
+The custom arm is rolled back (its weight forced to 0, until an operator sets a weight again)
+when one rule fires. Each rule reads a defined window, always since the last operator action
+(`reset_custom`) and at most `window` entries per arm, none older than `window_s` seconds
+(`rollback.window_s`; None: no age limit), so that a failure long past, at low traffic, does
+not decide today:
 
-- `error_rate`: custom's share of failed attempts exceeds `max_error_rate` (an attempt that
-  failed and was retried on stock still counts: the user was spared, the kernels were not);
-- `latency_ratio`: custom's median latency over stock's exceeds `max_latency_ratio` (both arms
-  draw from the same traffic mix, so their medians compare);
-- `agreement`: the mean greedy token agreement of mirrored pairs is below `min_agreement`;
+- `error_rate`: custom's share of failed attempts among its last `window` attempts exceeds
+  `max_error_rate`, judged once `min_requests` attempts are in the window. An attempt that
+  failed and was retried on stock still counts (the user was spared, the kernels were not),
+  but an incident counts once: when a custom replica dies or hangs, the ingress counts the
+  first failure, and the attempts that were in flight on it or queued for it are retried on
+  stock without being counted again (`Outcome.judged`). One replica crash is one failure, not
+  as many as it had requests; a stream cut after its first chunk counts as a failure;
+- `latency_ratio`: custom's median over stock's median of their last `window` successful
+  latencies exceeds the ratio, judged once both have `min_requests` (both arms draw from the
+  same traffic mix, so their medians compare). The ratio is `max_latency_ratio` while custom's
+  kernels are compiled and `max_latency_ratio_interpreted` while they run under Triton's
+  interpreter (the custom replicas say which, `interpreted`): interpreted kernels on a CPU are
+  orders of magnitude slower by construction, their latency says nothing about the kernels;
+  None turns the rule off (the default for interpreted kernels);
+- `agreement`: the mean greedy token agreement of the last `window` mirrored pairs is below
+  `min_agreement`, judged once `min_shadow_samples` pairs are in the window;
 - `numerical_checks`: the custom replicas' fuselane numerical-check failures since the last
-  operator action exceed `max_numerical_check_failures`.
+  operator action exceed `max_numerical_check_failures` (not aged: a failed check is a wrong
+  answer, however long ago).
 
-Rates are judged only once `min_requests` (or `min_shadow_samples`) outcomes are in the window,
-so one early error does not roll back a fresh deployment. Reasons are a closed set: they are
-the `reason` label of `fuselane_canary_rollbacks_total`.
+Reasons are a closed set: they are the `reason` label of `fuselane_canary_rollbacks_total`.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .config import RollbackSpec
 
 REASONS = ("error_rate", "latency_ratio", "agreement", "numerical_checks")
+DEFAULT_WINDOW_S = 600.0  # when the config does not say (rollback.window_s)
 
 
 @dataclass(frozen=True)
@@ -32,26 +49,67 @@ class Breach:
     detail: str  # for people: the numbers that crossed the threshold
 
 
+class Outcome(NamedTuple):
+    """One attempt on one arm, as an ingress replica reports it to the monitor."""
+
+    arm: str
+    result: str  # ok, error, client_error, stream_cut
+    latency_s: float | None
+    failover: str | None  # why stock answered a request meant for custom
+    epoch: int  # the operator epoch the request was routed under
+    judged: bool = True  # False: folded into an incident already counted (see above)
+
+
+@dataclass
+class _Window:
+    """The last `size` values, none older than `max_age_s` (monotonic seconds)."""
+
+    size: int
+    max_age_s: float | None
+    items: deque[tuple[float, float]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.items = deque(maxlen=self.size)
+
+    def add(self, value: float, now: float) -> None:
+        self.items.append((now, value))
+
+    def values(self, now: float) -> list[float]:
+        if self.max_age_s is not None:
+            while self.items and self.items[0][0] < now - self.max_age_s:
+                self.items.popleft()
+        return [v for _, v in self.items]
+
+    def clear(self) -> None:
+        self.items.clear()
+
+
 @dataclass
 class ArmWindow:
     size: int
-    ok: deque[bool] = field(init=False)
-    latencies: deque[float] = field(init=False)
+    max_age_s: float | None = None
+    ok: _Window = field(init=False)
+    latencies: _Window = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ok = deque(maxlen=self.size)
-        self.latencies = deque(maxlen=self.size)
+        self.ok = _Window(self.size, self.max_age_s)
+        self.latencies = _Window(self.size, self.max_age_s)
 
-    def add(self, ok: bool, latency_s: float | None) -> None:
-        self.ok.append(ok)
+    def add(self, ok: bool, latency_s: float | None, now: float) -> None:
+        self.ok.add(float(ok), now)
         if ok and latency_s is not None:
-            self.latencies.append(latency_s)
+            self.latencies.add(latency_s, now)
 
-    def error_rate(self) -> float:
-        return 0.0 if not self.ok else 1.0 - sum(self.ok) / len(self.ok)
+    def attempts(self, now: float) -> int:
+        return len(self.ok.values(now))
 
-    def p50(self) -> float | None:
-        return statistics.median(self.latencies) if self.latencies else None
+    def error_rate(self, now: float | None = None) -> float:
+        ok = self.ok.values(time.monotonic() if now is None else now)
+        return 0.0 if not ok else 1.0 - sum(ok) / len(ok)
+
+    def p50(self, now: float) -> float | None:
+        lat = self.latencies.values(now)
+        return statistics.median(lat) if lat else None
 
     def clear(self) -> None:
         self.ok.clear()
@@ -59,19 +117,24 @@ class ArmWindow:
 
 
 class RollbackJudge:
-    """Holds the windows; `judge()` returns the first threshold crossed, or None."""
+    """Holds the windows; `judge()` returns the first threshold crossed, or None. `now` is
+    monotonic seconds (the monitor's clock when a report arrives)."""
 
     def __init__(self, spec: RollbackSpec) -> None:
         self.spec = spec
-        self.arms = {arm: ArmWindow(spec.window) for arm in ("stock", "custom")}
-        self.agreement: deque[float] = deque(maxlen=spec.window)
+        window_s = getattr(spec, "window_s", DEFAULT_WINDOW_S)
+        self.arms = {arm: ArmWindow(spec.window, window_s) for arm in ("stock", "custom")}
+        self.agreement = _Window(spec.window, window_s)
         self.check_failures = 0
+        self.custom_interpreted = False  # the custom replicas run Triton's interpreter
 
-    def add_outcome(self, arm: str, ok: bool, latency_s: float | None) -> None:
-        self.arms[arm].add(ok, latency_s)
+    def add_outcome(
+        self, arm: str, ok: bool, latency_s: float | None, now: float | None = None
+    ) -> None:
+        self.arms[arm].add(ok, latency_s, time.monotonic() if now is None else now)
 
-    def add_agreement(self, agreement: float) -> None:
-        self.agreement.append(agreement)
+    def add_agreement(self, agreement: float, now: float | None = None) -> None:
+        self.agreement.add(agreement, time.monotonic() if now is None else now)
 
     def reset_custom(self) -> None:
         """After an operator action: custom is judged afresh (stock's window is still good)."""
@@ -79,46 +142,70 @@ class RollbackJudge:
         self.agreement.clear()
         self.check_failures = 0
 
-    def judge(self) -> Breach | None:
+    def latency_limit(self) -> float | None:
+        """The latency ratio in force: None when the rule is off for custom's kernels."""
+        if self.custom_interpreted:
+            return getattr(self.spec, "max_latency_ratio_interpreted", None)
+        return self.spec.max_latency_ratio
+
+    def judge(self, now: float | None = None) -> Breach | None:
         s = self.spec
         if not s.enabled:
             return None
-        custom, stock = self.arms["custom"], self.arms["stock"]
-        n = len(custom.ok)
-        if n >= s.min_requests and custom.error_rate() > s.max_error_rate:
+        now = time.monotonic() if now is None else now
+        return self._error_rate(now) or self._latency(now) or self._agreement(now) or self._checks()
+
+    def _error_rate(self, now: float) -> Breach | None:
+        custom, s = self.arms["custom"], self.spec
+        n = custom.attempts(now)
+        rate = custom.error_rate(now)
+        if n >= s.min_requests and rate > s.max_error_rate:
             return Breach(
                 "error_rate",
-                f"custom error rate {custom.error_rate():.3f} > {s.max_error_rate:g} "
+                f"custom error rate {rate:.3f} > {s.max_error_rate:g} "
                 f"over the last {n} custom requests",
             )
+        return None
+
+    def _latency(self, now: float) -> Breach | None:
+        limit = self.latency_limit()
+        custom, stock = self.arms["custom"], self.arms["stock"]
         if (
-            s.max_latency_ratio is not None
-            and len(custom.latencies) >= s.min_requests
-            and len(stock.latencies) >= s.min_requests
+            limit is None
+            or min(len(custom.latencies.values(now)), len(stock.latencies.values(now)))
+            < self.spec.min_requests
         ):
-            c50, s50 = custom.p50(), stock.p50()
-            if c50 is not None and s50 and c50 / s50 > s.max_latency_ratio:
-                return Breach(
-                    "latency_ratio",
-                    f"custom p50 {c50 * 1e3:.1f} ms / stock p50 {s50 * 1e3:.1f} ms = "
-                    f"{c50 / s50:.2f} > {s.max_latency_ratio:g}",
-                )
-        m = len(self.agreement)
+            return None
+        c50, s50 = custom.p50(now), stock.p50(now)
+        if c50 is not None and s50 and c50 / s50 > limit:
+            kind = " (interpreted kernels)" if self.custom_interpreted else ""
+            return Breach(
+                "latency_ratio",
+                f"custom p50 {c50 * 1e3:.1f} ms / stock p50 {s50 * 1e3:.1f} ms = "
+                f"{c50 / s50:.2f} > {limit:g}{kind}",
+            )
+        return None
+
+    def _agreement(self, now: float) -> Breach | None:
+        s = self.spec
+        values = self.agreement.values(now)
+        m = len(values)
         if s.min_agreement is not None and m >= s.min_shadow_samples:
-            mean = sum(self.agreement) / m
+            mean = sum(values) / m
             if mean < s.min_agreement:
                 return Breach(
                     "agreement",
                     f"mean greedy token agreement {mean:.3f} < {s.min_agreement:g} "
                     f"over the last {m} mirrored requests",
                 )
-        if (
-            s.max_numerical_check_failures is not None
-            and self.check_failures > s.max_numerical_check_failures
-        ):
+        return None
+
+    def _checks(self) -> Breach | None:
+        limit = self.spec.max_numerical_check_failures
+        if limit is not None and self.check_failures > limit:
             return Breach(
                 "numerical_checks",
                 f"{self.check_failures} fuselane numerical-check failures on the custom arm "
-                f"> {s.max_numerical_check_failures}",
+                f"> {limit}",
             )
         return None

@@ -8,13 +8,17 @@ conditioned on different prefixes and say nothing more, so:
 - agreement = (common prefix length) / (longer sequence's length), 1.0 when both are empty;
 - logprob divergence = max |logprob_stock - logprob_custom| over the common prefix (the same
   token at the same position, so the numbers are directly comparable).
+
+A pair that cannot be compared (an arm failed, timed out, answered an error) is counted as a
+failure with its reason (`failure_reason`), never silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,22 @@ class Comparison:
     max_logprob_diff: float  # 0.0 when there is no common prefix
     len_stock: int
     len_custom: int
+
+
+class PairResult(NamedTuple):
+    """One mirrored pair, as an ingress replica reports it to the monitor."""
+
+    agreement: float | None  # None: the pair failed, `error` says why
+    exact: bool | None
+    max_logprob_diff: float
+    epoch: int  # the operator epoch the pair started under
+    error: str | None = None
+
+
+def failure_reason(e: BaseException) -> str:
+    """`Type: message`, never empty: a TimeoutError or CancelledError has an empty str, and a
+    log line or status that reads "failed: " tells nobody anything."""
+    return f"{type(e).__name__}: {str(e).strip() or repr(e)}"
 
 
 def shadow_copy(body: Mapping[str, Any], chat: bool, max_tokens_cap: int) -> dict[str, Any]:
@@ -77,3 +97,22 @@ def compare(
         len_stock=len(ids_stock),
         len_custom=len(ids_custom),
     )
+
+
+async def run_pair(
+    answer: Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]],
+    body: Mapping[str, Any],
+    chat: bool,
+    max_tokens_cap: int,
+    epoch: int,
+) -> PairResult:
+    """Mirror one request: `answer(arm, copy)` returns an arm's dumped response to the greedy
+    copy. Any failure becomes a PairResult with its reason; cancellation (a rollback stops
+    the mirroring) is not a failure and propagates."""
+    try:
+        copy = shadow_copy(body, chat, max_tokens_cap)
+        stock, custom = await asyncio.gather(answer("stock", copy), answer("custom", copy))
+        c = compare(*extract(stock, chat), *extract(custom, chat))
+    except Exception as e:  # noqa: BLE001 - a failed comparison is counted, never raised
+        return PairResult(None, None, 0.0, epoch, failure_reason(e))
+    return PairResult(c.agreement, c.exact, c.max_logprob_diff, epoch)

@@ -160,8 +160,9 @@ def test_openai_endpoints_through_the_ingress(canary):
     assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
     r = _complete(c, headers={"x-fuselane-arm": "canary"})
     assert r.status_code == 400 and "unknown arm" in r.text
-    for arm in ("stock", "custom"):
-        assert _complete(c, headers={"x-fuselane-arm": arm}).headers[ARM_HEADER] == arm
+    assert _complete(c, headers={"x-fuselane-arm": "stock"}).headers[ARM_HEADER] == "stock"
+    # Pinning to custom is off unless the config allows it (routing.allow_pin_custom).
+    assert _complete(c, headers={"x-fuselane-arm": "custom"}).status_code == 403
 
 
 def test_split_at_quarter_weight_is_binomial(canary):
@@ -267,7 +268,7 @@ def test_custom_arm_that_disagrees_is_rolled_back(canary):
     stock_before = _complete(canary["client"], headers={"x-fuselane-arm": "stock"})
     assert stock_before.status_code == 200
     control.deploy(cfg, wait_s=420)
-    _set(0.5, shadow_fraction=1.0)  # the operator's action: clears the kill test's rollback
+    _set(0.5, shadow_fraction=1.0)  # the operator's action: clears any rollback
     assert not control.status(APP)["rolled_back"]
     c = canary["client"]
     deadline = time.monotonic() + 90

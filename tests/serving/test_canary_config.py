@@ -122,7 +122,7 @@ def test_sticky_key_sources_and_pins():
     assert sticky_key({"x-session-id": "abc"}, {"user": "u"}, "x-session-id", True) == "s:abc"
     assert sticky_key({}, {"user": "u"}, "x-session-id", True) == "u:u"
     assert sticky_key({}, {"user": "u"}, "x-session-id", False) is None
-    assert choose_arm(0.0, pin="Custom").arm == "custom"
+    assert choose_arm(0.0, pin="Custom", allow_pin_custom=True).arm == "custom"
     with pytest.raises(ValueError, match="unknown arm 'canary'"):
         choose_arm(0.5, pin="canary")
 
