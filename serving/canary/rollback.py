@@ -40,7 +40,6 @@ from typing import NamedTuple
 from .config import RollbackSpec
 
 REASONS = ("error_rate", "latency_ratio", "agreement", "numerical_checks")
-DEFAULT_WINDOW_S = 600.0  # when the config does not say (rollback.window_s)
 
 
 @dataclass(frozen=True)
@@ -122,9 +121,8 @@ class RollbackJudge:
 
     def __init__(self, spec: RollbackSpec) -> None:
         self.spec = spec
-        window_s = getattr(spec, "window_s", DEFAULT_WINDOW_S)
-        self.arms = {arm: ArmWindow(spec.window, window_s) for arm in ("stock", "custom")}
-        self.agreement = _Window(spec.window, window_s)
+        self.arms = {arm: ArmWindow(spec.window, spec.window_s) for arm in ("stock", "custom")}
+        self.agreement = _Window(spec.window, spec.window_s)
         self.check_failures = 0
         self.custom_interpreted = False  # the custom replicas run Triton's interpreter
 
@@ -145,7 +143,7 @@ class RollbackJudge:
     def latency_limit(self) -> float | None:
         """The latency ratio in force: None when the rule is off for custom's kernels."""
         if self.custom_interpreted:
-            return getattr(self.spec, "max_latency_ratio_interpreted", None)
+            return self.spec.max_latency_ratio_interpreted
         return self.spec.max_latency_ratio
 
     def judge(self, now: float | None = None) -> Breach | None:

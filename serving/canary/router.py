@@ -160,7 +160,6 @@ class CanaryIngress(OpenAiIngress):
         self._monitor = monitor
         self._metrics = IngressMetrics()
         self._rng = random.Random()
-        self._allow_pin_custom = bool(getattr(self.config.routing, "allow_pin_custom", False))
         # Routing state: the user_config's values, then the monitor's word (rollbacks).
         self._weight = self.config.routing.weight
         self._shadow_fraction = self.config.shadow.fraction
@@ -272,7 +271,7 @@ class CanaryIngress(OpenAiIngress):
                     pin=headers.get(r.pin_header),
                     key=key,
                     rng=self._rng,
-                    allow_pin_custom=self._allow_pin_custom,
+                    allow_pin_custom=r.allow_pin_custom,
                     rolled_back=self._rolled_back,
                 )
             except PinRefused as e:

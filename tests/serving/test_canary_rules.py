@@ -98,10 +98,6 @@ def test_one_replica_crash_counts_once_in_the_error_rule(monitor):
     assert st["arms"]["custom"]["streams_cut"] == 1 and st["arms"]["custom"]["errors"] == 41
 
 
-class _SpecWithInterpretedRatio(RollbackSpec):
-    max_latency_ratio_interpreted: float | None = 100.0
-
-
 def test_latency_rule_for_interpreted_kernels_is_off_unless_set(monitor):
     # The CPU demo: interpreted kernels, custom p50 25.5 s against stock 0.15 s.
     asyncio.run(monitor.report_kernels("r1", "custom", 0.0, 0.0, [], True))
@@ -110,8 +106,8 @@ def test_latency_rule_for_interpreted_kernels_is_off_unless_set(monitor):
     assert not _report(monitor, slow + fast)["rolled_back"]
     st = asyncio.run(monitor.status())
     assert st["latency_rule"] == {"custom_interpreted": True, "max_ratio": None}
-    # A config with a ratio for interpreted kernels (field read with its default when absent).
-    judge = RollbackJudge(_SpecWithInterpretedRatio(min_requests=20))
+    # A config with a ratio for interpreted kernels.
+    judge = RollbackJudge(RollbackSpec(min_requests=20, max_latency_ratio_interpreted=100.0))
     judge.custom_interpreted = True
     for _ in range(25):
         judge.add_outcome("custom", True, 25.5)

@@ -25,12 +25,14 @@ import ray
 from ray import serve
 
 from fuselane.serving.canary import control
-from fuselane.serving.canary.router import ARM_HEADER
+from fuselane.serving.canary.config import parse_config
+from fuselane.serving.canary.router import ARM_HEADER, FAILOVER_HEADER
 
 from .test_canary import (
     APP,
     _burst,
     _complete,
+    _config,
     _set,
     canary,  # noqa: F401 - the module fixture, started for this module
 )
@@ -60,19 +62,34 @@ def _custom_hung() -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-def _while_custom_hangs(port: int, action, n: int = 6) -> tuple[list, float]:
-    """Send `n` requests to custom (weight 1), let them wait on the hung replica, run `action`;
-    returns the results and how long after `action` the last one was answered."""
+async def _pinned_to_custom(port: int, n: int) -> list[tuple[int, str, str]]:
+    body = {"model": "tiny", "prompt": "pinned", "max_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=180, trust_env=False
+    ) as ac:
+        pin = {"x-fuselane-arm": "custom"}
+        rs = await asyncio.gather(
+            *(ac.post("/v1/completions", json=body, headers=pin) for _ in range(n))
+        )
+    return [(r.status_code, r.headers.get(ARM_HEADER), r.headers.get(FAILOVER_HEADER)) for r in rs]
+
+
+def _while_custom_hangs(port: int, action, n: int = 6, pinned: int = 0) -> tuple[list, float]:
+    """Send `n` requests to custom (weight 1) and `pinned` pinned to it, let them wait on the
+    hung replica, run `action`; returns the results and how long after `action` the last one
+    was answered."""
 
     async def run() -> tuple[list, float]:
         with _custom_hung():
-            load = asyncio.create_task(_burst(port, n, concurrency=n, max_tokens=4))
+            load = asyncio.gather(
+                _burst(port, n, concurrency=n, max_tokens=4), _pinned_to_custom(port, pinned)
+            )
             await asyncio.sleep(2.0)
             assert not load.done()  # waiting on custom (first_response_timeout_s is 30 s)
             t0 = time.monotonic()
             await asyncio.to_thread(action)
-            results = await asyncio.wait_for(load, 20)
-            return results, time.monotonic() - t0
+            weighted, pins = await asyncio.wait_for(load, 20)
+            return weighted + pins, time.monotonic() - t0
 
     return asyncio.run(run())
 
@@ -96,13 +113,20 @@ def test_bodies_not_sent_as_json_get_a_4xx_naming_the_media_type(canary):  # noq
     assert r.status_code == 400 and "max_tokens" in r.text
 
 
-def test_pin_to_custom_is_refused_unless_the_config_allows_it(canary):  # noqa: F811
+def test_pin_to_custom_only_where_the_config_allows_it(canary):  # noqa: F811
     _set(1.0)
     c = canary["client"]
     r = _complete(c, headers={"x-fuselane-arm": "custom"})
     assert r.status_code == 403 and "allow_pin_custom" in r.text, r.text
     r = _complete(c, headers={"x-fuselane-arm": "stock"})
     assert r.status_code == 200 and r.headers[ARM_HEADER] == "stock"
+    # Allowed (the ingress app alone is redeployed: the arms keep running).
+    cfg = _config(canary["model"], canary["port"])
+    cfg["routing"]["allow_pin_custom"] = True
+    control.deploy(parse_config(cfg), wait_s=420)
+    _set(0.0)  # no user traffic to custom: a pin is how custom is measured before it has any
+    r = _complete(c, headers={"x-fuselane-arm": "custom"})
+    assert r.status_code == 200 and r.headers[ARM_HEADER] == "custom", r.text
 
 
 def test_rollback_sends_the_requests_waiting_on_custom_to_stock(canary):  # noqa: F811
@@ -114,15 +138,17 @@ def test_rollback_sends_the_requests_waiting_on_custom_to_stock(canary):  # noqa
         # What a custom replica whose kernels fail their checks reports (engine.py).
         monitor.report_kernels.remote("test-replica", "custom", 2.0, 2.0, []).result(timeout_s=30)
 
-    results, after = _while_custom_hangs(canary["port"], numerical_checks_fail)
+    results, after = _while_custom_hangs(canary["port"], numerical_checks_fail, pinned=2)
     st = control.status(APP)
     assert st["rolled_back"] and st["rollback"]["reason"] == "numerical_checks", st["rollback"]
-    # Re-sent to stock as soon as the ingress heard of the rollback, not answered by custom
-    # (or timed out) once it answers again.
-    assert [(code, arm, f) for code, arm, f in results] == [(200, "stock", "rollback")] * 6
+    # Re-sent to stock as soon as the ingress heard of the rollback (pinned ones too), not
+    # answered by custom (or timed out) once it answers again.
+    assert results == [(200, "stock", "rollback")] * 8
     assert after < 8, after
     after_rollback = asyncio.run(_burst(canary["port"], 10, concurrency=5, max_tokens=1))
     assert {arm for _, arm, _ in after_rollback} == {"stock"}
+    r = _complete(canary["client"], headers={"x-fuselane-arm": "custom"})
+    assert r.status_code == 503 and "rolled back" in r.text, r.text
     _set(1.0)  # the operator's action clears the rollback
     assert not control.status(APP)["rolled_back"]
 
@@ -131,9 +157,12 @@ def test_weight_zero_sends_the_requests_waiting_on_custom_to_stock(canary):  # n
     _set(1.0)
     assert _complete(canary["client"]).headers[ARM_HEADER] == "custom"
     results, after = _while_custom_hangs(canary["port"], lambda: control.set_weight(APP, 0.0, 0.0))
-    assert [(code, arm, f) for code, arm, f in results] == [(200, "stock", "weight_zero")] * 6
+    assert results == [(200, "stock", "weight_zero")] * 6
     assert after < 10, after
     assert not control.status(APP)["rolled_back"]
+    # Weight 0 is no rollback: an allowed pin still reaches custom.
+    r = _complete(canary["client"], headers={"x-fuselane-arm": "custom"})
+    assert r.status_code == 200 and r.headers[ARM_HEADER] == "custom", r.text
 
 
 def _stream_through_a_crash(port: int) -> tuple[list[str], list]:
