@@ -151,11 +151,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
     peers.note(
         f"{case}: fuselane output of a replayed launch {'PASS' if ok else 'FAIL'} ({detail})"
     )
-    check_args = (
-        a["q"], a["key_cache"], a["value_cache"], out, a["cu_seqlens_q"], a["seq_lens"],
-        a["block_table"], a["max_query_len"], a["min_query_len"], a["max_seq_len"], a["scale"],
-        None, 0.0, None, None, None,
-    )  # fmt: skip
+    check_args = (p.q, p.key_cache, p.value_cache, out, batch, options)
     add_part(case, "fuselane:checks", lambda: attn.checks._check_args(*check_args))
     plan_args = dict(
         num_seqs=len(p.lens),

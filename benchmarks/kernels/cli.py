@@ -45,13 +45,22 @@ FlashInfer builds its kernels in background processes meanwhile).
 
 Peers on a machine without vLLM: put vLLM's Triton kernel files and FlashInfer on PYTHONPATH
 (see .peers/setup_device.sh in a checkout); a peer that does not import is listed, not fatal.
-Exit status: 0, or 1 if a fuselane kernel failed its check or could not run, 2 on usage."""
+Performance gate: with --baseline FILE (a results file of an earlier run on the same GPU
+model; benchmarks/results/baseline-kernels-<gpu>.json are the committed ones, --quick --peers
+none), every fuselane row slower than the baseline's by more than --max-regression (and the
+absolute floor --min-delta-us) is named and the exit status is 1. Run it before merging a
+kernel change. Peers, other versions and rows missing on either side are reported, not
+compared (benchmarks/kernels/gate.py).
+Exit status: 0, or 1 if a fuselane kernel failed its check or could not run, or a row failed
+the gate; 2 on usage (a baseline of another GPU model included)."""
 
 EPILOG = """\
 examples:
   fuselane bench kernels --out results/kernels
   fuselane bench kernels --quick --family attention --model llama-3-8b --out /tmp/k
-  fuselane bench kernels --interpret-smoke --out /tmp/smoke   # no GPU: plumbing check only"""
+  fuselane bench kernels --interpret-smoke --out /tmp/smoke   # no GPU: plumbing check only
+  fuselane bench kernels --quick --peers none --out /tmp/k \
+      --baseline benchmarks/results/baseline-kernels-h200.json   # the gate before a merge"""
 
 
 def _budget(text: str) -> float:
@@ -61,6 +70,16 @@ def _budget(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value:g}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < 10:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 10), got {text!r}")
     return value
 
 
@@ -140,6 +159,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or case lines")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="FILE",
+        help="performance gate: compare fuselane's rows with this results file (same GPU model)",
+    )
+    p.add_argument(
+        "--max-regression",
+        type=_fraction,
+        default=0.05,
+        metavar="FRACTION",
+        help="with --baseline: a row slower by more than this fraction fails (default 0.05)",
+    )
+    p.add_argument(
+        "--min-delta-us",
+        type=_fraction,
+        default=0.2,
+        metavar="US",
+        help="with --baseline: and by more than this many microseconds (default 0.2: the "
+        "timer's granularity on the smallest kernels)",
+    )
     p.set_defaults(func=cmd_bench_kernels)
     return p
 
@@ -206,7 +246,15 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
             "under Triton's interpreter as a plumbing check (timings meaningless).\n"
         )
         return 2
-    from fuselane.benchmarks.kernels import suite
+    from fuselane.benchmarks.kernels import gate, suite
+
+    baseline = None
+    if args.baseline is not None:
+        try:  # before the run: a wrong file should not cost a benchmark
+            baseline = gate.load(args.baseline)
+        except gate.GateError as e:
+            sys.stderr.write(f"fuselane bench kernels: error: {e}\n")
+            return 2
 
     grid = "smoke" if args.interpret_smoke else "quick" if args.quick else "full"
     peers = args.peers
@@ -228,10 +276,20 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     print(f"total {outcome.elapsed_s:.0f} s")
     if outcome.skipped:
         print(f"{len(outcome.skipped)} skipped (listed in the report)")
+    status = 0
     if outcome.failures:
         print("fuselane failures:\n  " + "\n  ".join(outcome.failures), file=sys.stderr)
-        return 1
-    return 0
+        status = 1
+    if baseline is not None:
+        current = gate.load(outcome.paths["json"])
+        try:
+            report = gate.compare(current, baseline, args.max_regression, args.min_delta_us)
+        except gate.GateError as e:
+            sys.stderr.write(f"fuselane bench kernels: error: {e}\n")
+            return 2
+        print(report.text())
+        status = status or (0 if report.passed else 1)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
