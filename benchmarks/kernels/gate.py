@@ -117,6 +117,10 @@ def compare(
     for name in _REPORTED:
         if current.get(name) != baseline.get(name):
             report.differences[name] = (baseline.get(name), current.get(name))
+    # Case names join the models that share a shape: another model set renames cases.
+    models = [sorted(run.get("models") or ()) for run in (baseline, current)]
+    if models[0] != models[1]:
+        report.differences["models"] = (models[0], models[1])
     base, cur = _rows(baseline), _rows(current)
     for key in sorted(base.keys() & cur.keys()):
         row = RowVerdict(*key, base[key], cur[key], gated=key[2] == "fuselane")

@@ -53,9 +53,11 @@ def test_another_gpu_model_refuses_to_compare():
 
 
 def test_other_versions_and_missing_rows_are_reported_not_compared():
-    report = gate.compare(run(triton="3.9.0", a=10.0, c=3.0), run(a=10.0, b=4.0))
+    current = run(triton="3.9.0", a=10.0, c=3.0)
+    current["models"] = {"llama-3-8b": {}}
+    report = gate.compare(current, run(a=10.0, b=4.0))
     assert report.passed
-    assert report.differences == {"triton": ("3.6.0", "3.9.0")}
+    assert report.differences == {"triton": ("3.6.0", "3.9.0"), "models": ([], ["llama-3-8b"])}
     assert report.only_in_baseline == [("decode", "b", "fuselane")]
     assert report.only_in_current == [("decode", "c", "fuselane")]
     text = report.text()
