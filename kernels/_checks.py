@@ -68,12 +68,6 @@ def check_choice(name: str, value: object, allowed: Iterable[object]) -> None:
         raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
 
 
-def check_range(name: str, value: float, lo: float, hi: float) -> None:
-    """Raise ValueError if `value` is outside the closed range [lo, hi]."""
-    if not (lo <= value <= hi):
-        raise ValueError(f"{name}: expected a value in [{lo}, {hi}], got {value!r}")
-
-
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
     """Raise ValueError if the kernels cannot run on `t`'s device: a CPU tensor where Triton
     compiles for a GPU (the kernels run on the CPU only under Triton's interpreter). Fake and

@@ -88,19 +88,9 @@ def register() -> None:
 
 
 def _install_sampler(selection: KernelSelection) -> Callable[[], None] | None:
-    """Install the sampler hook; without one (no sampling kernel yet), say so and go on."""
-    from . import vllm_compat
+    """Install the sampler hook (the undo function, or None where there was nothing to hook)."""
+    from . import sampler_hook
 
-    try:
-        from . import sampler_hook
-    except ImportError as e:
-        vllm_compat.get_logger().warning(
-            "fuselane: %s asks for sampling, but this build has no sampler hook (%s); "
-            "vLLM's own sampler stays in use",
-            ENV_VAR,
-            e,
-        )
-        return None
     return sampler_hook.install(selection)
 
 
