@@ -68,24 +68,20 @@ def time_graph(
             fn()
     for _ in range(3):
         graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_graph)
+    median = _median_event_ms(graph.replay, reps) / calls_per_graph
     del graph
-    return statistics.median(times)
+    return median
 
 
 def time_eager(fn: Callable[[], object], *, reps: int = 50, warmup: int = 5) -> float:
     """Median milliseconds per call without graphs (for peers that cannot be captured)."""
     for _ in range(warmup):
         fn()
+    return _median_event_ms(fn, reps)
+
+
+def _median_event_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median of `reps` event-timed calls of `fn` (milliseconds), each waited for."""
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
