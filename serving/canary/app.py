@@ -54,6 +54,12 @@ def arm_args(config: CanaryConfig, arm: str) -> dict[str, Any]:
     }
 
 
+def control_plane_options(config: CanaryConfig) -> dict[str, Any]:
+    """Ray actor options of the ingress and the monitor: no CPU, and the resources the config
+    names (multi-node: a stock node's, so that losing a custom node leaves them up)."""
+    return {"num_cpus": 0, "resources": dict(config.ingress.resources)}
+
+
 def ingress_deployment(config: CanaryConfig) -> Any:
     """The ingress as a Serve deployment (a fresh FastAPI app each call: no import-time state).
     Completions and chat take the raw request: the ingress reads the body itself
@@ -77,7 +83,7 @@ def ingress_deployment(config: CanaryConfig) -> Any:
         name=INGRESS,
         num_replicas=config.ingress.replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=control_plane_options(config),
         user_config=config.user_config(),
     )
 
@@ -88,7 +94,7 @@ def build_app(config: CanaryConfig) -> Any:
     from .monitor import CanaryMonitor
 
     data = config.model_dump(mode="json")
-    monitor = CanaryMonitor.bind(data)
+    monitor = CanaryMonitor.options(ray_actor_options=control_plane_options(config)).bind(data)
     stock = build_arm(arm_args(config, "stock"), monitor)
     custom = build_arm(arm_args(config, "custom"), monitor)
     return ingress_deployment(config).bind(stock, custom, monitor, data)
@@ -120,7 +126,7 @@ def ingress_builder(args: dict[str, Any]) -> Any:
 
     config = _config_from_args(args)
     data = config.model_dump(mode="json")
-    monitor = CanaryMonitor.bind(data)
+    monitor = CanaryMonitor.options(ray_actor_options=control_plane_options(config)).bind(data)
     return ingress_deployment(config).bind(
         arm_app_name(config, "stock"), arm_app_name(config, "custom"), monitor, data
     )

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fuselane.plugin.config import CHECK_INDICES_ENV_VAR as CHECK_INDICES_ENV
 from fuselane.plugin.config import ENV_VAR as KERNELS_ENV
 from fuselane.plugin.config import host_problem
 
@@ -69,6 +70,12 @@ class ArmSpec(_Strict):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     replica_cpus: float = Field(1.0, ge=0, description="CPUs of the replica actor itself")
     max_ongoing_requests: int = Field(64, ge=1)
+    check_indices: bool = Field(
+        False,
+        description="FUSELANE_CHECK_INDICES=1 in the replicas: every kernel call checks its "
+        "device-side indices first (one host sync per call: for a canary that must fail loudly "
+        "rather than read out of bounds, at some cost in speed)",
+    )
 
     @field_validator("env", mode="before")
     @classmethod
@@ -194,6 +201,23 @@ class HttpSpec(_Strict):
 class IngressSpec(_Strict):
     replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
+    # The ingress and the monitor take no CPU, so Serve may place them on any node, a custom
+    # arm's too: losing that node would take routing and the rollback state down with it.
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources of the ingress and monitor replicas: {stock_arm: 0.01}",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [f"{k}: {x:g}" for k, x in v.items() if k in ("CPU", "GPU") or x <= 0]
+        if bad:
+            raise ValueError(
+                f"expected custom resources with amounts above 0 (not CPU or GPU), got "
+                f"{', '.join(bad)}"
+            )
+        return v
 
 
 class CanaryConfig(_Strict):
@@ -254,8 +278,11 @@ class CanaryConfig(_Strict):
 
     def arm_env(self, name: str) -> dict[str, str]:
         """The arm's environment: shared `env`, then the arm's; the kernel switch always set."""
-        env = {**self.env, **self.arm(name).env}
+        arm = self.arm(name)
+        env = {**self.env, **arm.env}
         env.setdefault(KERNELS_ENV, "none" if name == "stock" else "all")
+        if arm.check_indices:
+            env[CHECK_INDICES_ENV] = "1"
         return env
 
     def arm_engine_kwargs(self, name: str) -> dict[str, Any]:
