@@ -138,11 +138,40 @@ def set_weight(app: str, weight: float, shadow_fraction: float | None = None) ->
 
 
 def status(app: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The monitor's status dictionary (see `CanaryMonitor.status`)."""
+    """The monitor's status dictionary (see `CanaryMonitor.status`), with each arm's replicas
+    as Serve sees them (`replicas`)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(MONITOR, app_name=app)
-    return handle.status.remote().result(timeout_s=timeout_s)
+    st = handle.status.remote().result(timeout_s=timeout_s)
+    st["replicas"] = arm_replicas(app)
+    return st
+
+
+def _value(v: Any) -> str:
+    return str(getattr(v, "value", v))
+
+
+def arm_replicas(app: str) -> dict[str, dict[str, Any]]:
+    """Per arm: Serve's deployment status, replicas running out of those wanted, their nodes.
+    The monitor sees outcomes only: an arm whose node is gone looks idle there, not down."""
+    apps = _client().get_serve_details().get("applications") or {}
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ("stock", "custom"):
+        # Multi-app layout: the arm's own app; one-app layout: a deployment of `app`.
+        entry = apps.get(f"{app}-{arm}") or apps.get(app) or {}
+        dep = (entry.get("deployments") or {}).get(arm)
+        if dep is None:
+            out[arm] = {"status": "NOT_DEPLOYED", "running": 0, "target": 0, "nodes": []}
+            continue
+        running = [r for r in dep.get("replicas") or [] if _value(r.get("state")) == "RUNNING"]
+        out[arm] = {
+            "status": _value(dep.get("status")),
+            "running": len(running),
+            "target": dep.get("target_num_replicas") or 0,
+            "nodes": sorted({r.get("node_id") for r in running if r.get("node_id")}),
+        }
+    return out
 
 
 def _ms(v: float | None) -> str:
@@ -176,6 +205,16 @@ def format_status(st: dict[str, Any]) -> str:
             f"{_ms(a['latency_p50_s']):>9}{_ms(a['latency_p95_s']):>9}"
         )
     lines.append("(cut: streams that failed after their first chunk, also among the errors)")
+    reps = st.get("replicas") or {}
+    if reps:
+        lines.append(
+            "replicas running: "
+            + "; ".join(
+                f"{arm} {r['running']}/{r['target']} ({r['status']})"
+                + (" DOWN" if r["target"] and not r["running"] else "")
+                for arm, r in reps.items()
+            )
+        )
     fo = st.get("failovers") or {}
     lines.append("")
     lines.append(
