@@ -17,6 +17,7 @@ from .config import (
     ENV_VAR,
     FuselaneConfigError,
     KernelSelection,
+    check_indices_from_env,
     interpreter_problem,
     kernels_from_env,
 )
@@ -43,6 +44,7 @@ def register() -> None:
     invalid FUSELANE_KERNELS or a process the selected kernels cannot run in."""
     global _selection
     selection = kernels_from_env()  # raises FuselaneConfigError, stopping vLLM's start-up
+    check_indices = check_indices_from_env()  # likewise
     if _selection is not None:
         return
     # Without a GPU the kernels run under Triton's interpreter. Choosing it here sets
@@ -53,6 +55,10 @@ def register() -> None:
     from fuselane.kernels import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
+    if check_indices:  # unset leaves the process's choice (a test's, say) as it is
+        from fuselane.kernels import index_checks
+
+        index_checks.enable(True)
 
     from . import selector, telemetry, vllm_compat
 

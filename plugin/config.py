@@ -151,6 +151,28 @@ def faults_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str]:
 # Triton's interpreter (no GPU)
 # ---------------------------------------------------------------------------------------------
 
+CHECK_INDICES_ENV_VAR = "FUSELANE_CHECK_INDICES"
+
+
+def parse_check_indices(value: str | None) -> bool:
+    """FUSELANE_CHECK_INDICES: "1" checks every kernel call's device-side indices before its
+    launch (block tables, sequence lengths, query offsets, KV slots, positions, sampling state
+    slots: one host sync per call, a debugging and canary switch); "0" or unset: off."""
+    raw = (value or "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise FuselaneConfigError(
+        f"{CHECK_INDICES_ENV_VAR}={value!r}: expected 1 (on) or 0 (off)", CHECK_INDICES_ENV_VAR
+    )
+
+
+def check_indices_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return parse_check_indices(env.get(CHECK_INDICES_ENV_VAR))
+
+
 INTERPRET_ENV_VAR = "TRITON_INTERPRET"
 INTERPRET_FIX = f"export {INTERPRET_ENV_VAR}=1 before starting vLLM"
 

@@ -1,6 +1,12 @@
-"""Test-wide set-up: kernels run under the Triton interpreter when no GPU is present."""
+"""Test-wide set-up: kernels run under the Triton interpreter when no GPU is present, and every
+kernel call checks its device-side indices (FUSELANE_CHECK_INDICES, here and in the engines the
+tests start)."""
 
-from fuselane.kernels import use_interpreter_without_gpu
+import os
+
+from fuselane.kernels import index_checks, use_interpreter_without_gpu
 
 # Must happen before any module defines a @triton.jit function.
 use_interpreter_without_gpu()
+os.environ.setdefault("FUSELANE_CHECK_INDICES", "1")
+index_checks.enable(os.environ["FUSELANE_CHECK_INDICES"] == "1")

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from .. import index_checks
 from .._launch import LaunchCache, use_custom_op
 from .args import AttentionOptions, PagedBatch, flat_arguments
 from .checks import _check_args
@@ -108,6 +109,7 @@ def attention(
     No host sync and no allocation: safe inside CUDA graphs.
     """
     _check_args(q, key_cache, value_cache, out, batch, options)
+    _check_indices(q, key_cache, batch)
     if workspace is not None:
         if not isinstance(workspace, AttentionWorkspace):
             raise ValueError(
@@ -150,6 +152,7 @@ def attention_unchecked(
     scales (`LAUNCHES`, a `LaunchCache`): vLLM's layers after the first of each step."""
     if use_custom_op(q):  # traced: the checked custom-op path
         return attention(q, key_cache, value_cache, out, batch, options, workspace)
+    _check_indices(q, key_cache, batch)
     recording: contextlib.AbstractContextManager = contextlib.nullcontext()
     # A captured graph is replayed with other batches: its plan keeps the decode launch
     # (`_skips_decode`), which a recording made outside the capture may have left out.
@@ -173,6 +176,13 @@ def attention_unchecked(
     with recording:
         _run(q, key_cache, value_cache, out, batch, options, workspace)
     return out
+
+
+def _check_indices(q: torch.Tensor, key_cache: torch.Tensor, batch: PagedBatch) -> None:
+    if index_checks.enabled():  # FUSELANE_CHECK_INDICES: the device-side indices, synced
+        index_checks.check_paged_batch(
+            q, key_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table
+        )
 
 
 paged_attention = flat_arguments(attention, "paged_attention")

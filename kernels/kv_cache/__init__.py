@@ -19,7 +19,10 @@ interleave in memory, and the block/head strides depend on the KV-cache layout i
 
 Cache dtypes: the input dtype (fp16, bf16, fp32), or fp8 e4m3 with per-tensor fp32 scales:
 `stored = e4m3(saturate(x * (1 / scale), +-448))`, round to nearest even: vLLM's kernel computes
-x / scale, which differs by at most one fp32 ulp before the rounding to e4m3.
+x / scale, which differs by at most one fp32 ulp before the rounding to e4m3. A scale of 0
+stores every value as +-448 (x * inf saturates), a NaN scale stores NaN (0x7F), as the
+reference does; with `FUSELANE_CHECK_INDICES=1` such scales are refused
+(`index_checks.check_scales`).
 
 Launch rule (no autotuning): `_write_launch_config` (tokens per program and warps, from the H200
 sweep of run 1; benchmarks/kernels/bench_kv_cache.py's `kv_write_sweep` section re-measures it)

@@ -59,6 +59,10 @@ def _to_e4m3(x, inv_scale, EMULATE: tl.constexpr):
         y = tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = tl.minimum(y, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = _round_to_e4m3_grid(y)
+        # The interpreter's cast stores a NaN as a number (0x7C): store the canonical e4m3 NaN
+        # byte 0x7F, as the GPU's cast and torch do (a NaN scale, say).
+        nan = tl.full(y.shape, 0x7F, tl.int8).to(tl.float8e4nv, bitcast=True)
+        return tl.where(y != y, nan, y.to(tl.float8e4nv))
     return y.to(tl.float8e4nv)
 
 

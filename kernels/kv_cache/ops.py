@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import index_checks
 from .._checks import FP8_E4M3, check_kernel_device
 from .._launch import LaunchCache, use_custom_op
 from .args import KVWrite, Rotary, flat_rope_write, flat_write
@@ -18,7 +19,17 @@ from .plan import _WRITE_ROWS_PER_PROGRAM
 def _checked_write(write: KVWrite) -> None:
     fp8 = _check_write_args(write)
     check_kernel_device("key", write.key)
+    _check_indices(write)
     _launch_write(write, fp8)
+
+
+def _check_indices(write: KVWrite, rotary: Rotary | None = None) -> None:
+    if index_checks.enabled():  # FUSELANE_CHECK_INDICES: the device-side indices, synced
+        index_checks.check_slots(write.slot_mapping, write.key_cache)
+        if write.fp8:
+            index_checks.check_scales(write.k_scale, write.v_scale)
+        if rotary is not None:
+            index_checks.check_positions(rotary.positions, rotary.cos_sin_cache)
 
 
 # torch.library form of `kv_write` (what torch.compile records): the flat form, `KVWrite.fields`.
@@ -65,6 +76,7 @@ def kv_write_unchecked(write: KVWrite) -> None:
     if use_custom_op(write.key):  # traced: the checked custom-op path
         kv_write(write)
         return
+    _check_indices(write)
     w = write
     key, value, key_cache, value_cache = w.key, w.value, w.key_cache, w.value_cache
     # Everything the launch depends on besides the layer's own tensors (see LaunchCache).
@@ -117,6 +129,7 @@ def _checked_rope_write(rotary: Rotary, write: KVWrite) -> None:
     fp8 = _check_write_args(write)
     _check_rope_args(rotary, write)
     check_kernel_device("key", write.key)
+    _check_indices(write, rotary)
     _launch_rope(rotary, write, fp8)
 
 

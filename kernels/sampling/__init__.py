@@ -57,6 +57,12 @@ NaN policy: NaN logits are never sampled and never enter a normaliser; `nan_rows
 (device tensor, no host sync). The plugin should treat nan_rows > 0 as a model error for that
 request (vLLM itself would sample garbage): abort the request or route the batch to the stock
 sampler, as its policy says. A row with no finite value left returns token 0, logprob -inf.
+Parameters outside the domain vLLM's SamplingParams accepts (temperature NaN, infinite or < 0;
+top_p NaN or <= 0; min_p NaN or outside [0, 1]; repetition penalty NaN, infinite or <= 0;
+frequency / presence penalty not finite) cannot come from vLLM; a direct caller's row with
+one gets token -1 and nan_rows -1 (its other outputs are unspecified), never a token drawn
+from NaN scores. top_p >= 1 and k <= 0 or >= V mean "off". Logit-bias lists are contiguous
+[S, width]; a count outside [0, width] uses the whole list or none of it, never more.
 +inf logits are not supported (vLLM turns them into NaN as well).
 
 vLLM 0.32 vs 0.33 (what the plugin adapts): V2 `SamplingStates.get_top_k_top_p` returns

@@ -102,13 +102,14 @@ def _validate(logits: torch.Tensor, prm: SamplingParamsTensors, num_logprobs, lo
             t = getattr(prm, name)
             if t is None:
                 raise ValueError(f"params.{name}: required with params.logit_bias_counts, got None")
+            # contiguous: the kernels address both lists with one row stride, the width
             check_tensor(
                 f"params.{name}",
                 t,
                 shape=(S, None),
                 dtypes=dts,
                 device=dev,
-                last_dim_contiguous=True,
+                contiguous=True,
             )
         if prm.logit_bias_values.shape != prm.logit_bias_token_ids.shape:
             raise ValueError(

@@ -116,6 +116,7 @@ def _sample_chunk_kernel(
         pres_ptr,
         slots_ptr,
         bcount_ptr,
+        b_stride,
         seeds_ptr,
         has_seed_ptr,
         rseeds_ptr,

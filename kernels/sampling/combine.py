@@ -9,7 +9,7 @@ import triton.language as tl
 from .chunk import _EMPTY, _INT64_MIN, _KEY_NEG_INF, _KEY_NO_BOUND, _LN2, _LOG2E
 from .keys import gumbel, key, unkey
 from .search import row_search, search_list
-from .tiles import load_row_params, process_tile
+from .tiles import load_row_params, params_out_of_domain, process_tile
 
 
 @triton.jit
@@ -109,6 +109,7 @@ def _sample_combine_kernel(
             pres_ptr,
             slots_ptr,
             bcount_ptr,
+            b_stride,
             seeds_ptr,
             has_seed_ptr,
             rseeds_ptr,
@@ -498,8 +499,9 @@ def _sample_combine_kernel(
         tl.store(out_ids_ptr + row * n_lp + j, ids, mask=wmask)
         tl.store(out_tlp_ptr + row * n_lp + j, val, mask=wmask)
 
-    tl.store(out_tok_ptr + row, tok)
-    tl.store(out_nan_ptr + row, nnan)
+    bad = params_out_of_domain(row, temp_ptr, p, minp, rep, freq, pres, HAS_TEMP)
+    tl.store(out_tok_ptr + row, tl.where(bad, -1, tok))
+    tl.store(out_nan_ptr + row, tl.where(bad, -1, nnan))
     thr = tl.where(tau == _KEY_NO_BOUND, float("-inf"), unkey(tau.to(tl.int32)))
     tl.store(out_thr_ptr + row, tl.where(has_fin, thr, float("inf")))
     tl.store(out_kept_ptr + row, tl.where(has_fin, kept, 0))

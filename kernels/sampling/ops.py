@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from .. import index_checks
 from .._launch import cdiv, launch, use_custom_op
 from . import penalties as sampling_penalties
 from .checks import _validate
@@ -267,6 +268,8 @@ def fused_sample(
     """
     _validate(logits, params, num_logprobs, logprobs_mode)
     B, V = logits.shape
+    if index_checks.enabled():  # FUSELANE_CHECK_INDICES: the device-side indices, synced
+        _check_indices(params, V)
     n = -1 if num_logprobs is None else num_logprobs
     ws = workspace
     if ws is None:
@@ -310,6 +313,27 @@ def fused_sample(
         kept_threshold=ws.kept_threshold[:B],
         fallback_rows=ws.fallback_rows[:B],
     )
+
+
+def _check_indices(p: SamplingParamsTensors, vocab: int) -> None:
+    """State slots within the per-slot tensors; the bias entries in use name real tokens."""
+    if p.state_slots is not None:
+        if p.has_penalties:
+            index_checks.check_state_slots(
+                p.state_slots, p.prompt_bin_mask.shape[0], "rows of params.prompt_bin_mask"
+            )
+        if p.has_bias:
+            index_checks.check_state_slots(
+                p.state_slots, p.logit_bias_counts.shape[0], "rows of params.logit_bias_counts"
+            )
+    if p.has_bias:
+        width = p.logit_bias_token_ids.shape[1]
+        live = (
+            torch.arange(width, device=p.logit_bias_counts.device)[None, :]
+            < (p.logit_bias_counts.long()[:, None])
+        )
+        index_checks.check_token_ids("params.logit_bias_token_ids", p.logit_bias_token_ids,
+                                     live, vocab)  # fmt: skip
 
 
 _WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}

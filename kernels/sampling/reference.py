@@ -105,7 +105,8 @@ def apply_bias_reference(y: torch.Tensor, params: SamplingParamsTensors) -> torc
         return y
     B, V = y.shape
     slot = _slots(params, B, y.device)
-    cnt = params.logit_bias_counts.to(torch.int64)[slot]
+    width = params.logit_bias_token_ids.shape[1]
+    cnt = params.logit_bias_counts.to(torch.int64)[slot].clamp(0, width)  # the list, no more
     toks = params.logit_bias_token_ids.to(torch.int64)[slot]
     vals = params.logit_bias_values[slot]
     live = torch.arange(toks.shape[1], device=y.device)[None, :] < cnt[:, None]
@@ -211,6 +212,35 @@ def process_logits_reference(logits: torch.Tensor, params: SamplingParamsTensors
     return top_k_top_p_reference(z, params.top_k, params.top_p)
 
 
+def params_out_of_domain_reference(
+    params: SamplingParamsTensors, B: int, device: torch.device
+) -> torch.Tensor:
+    """[B] bool: rows whose parameters lie outside the domain vLLM's SamplingParams accepts
+    (temperature finite and >= 0, top_p > 0, min_p in [0, 1], repetition penalty finite and
+    > 0, frequency / presence penalties finite). `fused_sample` answers them with token -1
+    and nan_rows -1; top_p >= 1 is "off", not out of domain."""
+    bad = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(torch.float32)
+
+    t, p, mp = f32(params.temperature), f32(params.top_p), f32(params.min_p)
+    r, fq, pr = (f32(params.repetition_penalty), f32(params.frequency_penalty),
+                 f32(params.presence_penalty))  # fmt: skip
+    if t is not None:
+        bad |= t.isnan() | (t < 0) | (t == float("inf"))
+    if p is not None:
+        bad |= p.isnan() | (p <= 0)
+    if mp is not None:
+        bad |= mp.isnan() | (mp < 0) | (mp > 1)
+    if r is not None:
+        bad |= r.isnan() | (r <= 0) | (r == float("inf"))
+    for x in (fq, pr):
+        if x is not None:
+            bad |= ~x.isfinite()
+    return bad
+
+
 def _row_seeds(params: SamplingParamsTensors, B: int, device) -> torch.Tensor:
     drawn = torch.randint(0, 2**62, (B,), device=device, dtype=torch.int64)
     if params.seeds is None:
@@ -239,12 +269,13 @@ def sample_reference(
     g = gumbel_noise_reference(_row_seeds(params, B, dev), params.seed_offsets, V)
     scores = torch.where(kept, z + g, float("-inf"))
     tok = torch.where(greedy, z.argmax(-1), scores.argmax(-1))
+    bad = params_out_of_domain_reference(params, B, dev)
     out = SampleOutput(
-        token_ids=tok,
+        token_ids=torch.where(bad, -1, tok),
         logprob=None,
         topn_ids=None,
         topn_logprobs=None,
-        nan_rows=torch.isnan(logits).sum(-1).to(torch.int32),
+        nan_rows=torch.where(bad, -1, torch.isnan(logits).sum(-1).to(torch.int32)),
         kept_count=kept.sum(-1).to(torch.int32),
         kept_threshold=torch.where(kept, z, float("inf")).min(-1).values,
     )

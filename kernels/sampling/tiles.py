@@ -25,6 +25,7 @@ def load_row_params(
     pres_ptr,
     slots_ptr,
     bcount_ptr,
+    b_stride,
     seeds_ptr,
     has_seed_ptr,
     rseeds_ptr,
@@ -76,7 +77,10 @@ def load_row_params(
         slot = tl.load(slots_ptr + row).to(tl.int64)
     nbias = tl.full((), 0, tl.int32)
     if HAS_BIAS:
+        # A count outside [0, the list's width] reads only the list (the lists are contiguous
+        # [S, width]: b_stride is the width).
         nbias = tl.load(bcount_ptr + slot).to(tl.int32)
+        nbias = tl.minimum(tl.maximum(nbias, 0), b_stride)
     if SEED_MODE == 0:
         seed = tl.load(rseeds_ptr + row).to(tl.int64)
     elif SEED_MODE == 1:
@@ -107,6 +111,24 @@ def load_row_params(
         nbias,
         h,
     )
+
+
+@triton.jit
+def params_out_of_domain(row, temp_ptr, p, minp, rep, freq, pres, HAS_TEMP: tl.constexpr):
+    """Whether a row's parameters lie outside the domain vLLM's SamplingParams accepts
+    (temperature finite and >= 0, top_p > 0, min_p in [0, 1], repetition penalty finite and
+    > 0, frequency and presence penalties finite): such a row is answered with token -1 and
+    nan_rows -1 rather than a token drawn from NaN scores. top_p >= 1 stays "off"."""
+    INF: tl.constexpr = float("inf")
+    t = tl.full((), 1.0, tl.float32)
+    if HAS_TEMP:
+        t = tl.load(temp_ptr + row).to(tl.float32)
+    bad = (t != t) | (t < 0.0) | (t == INF)
+    bad = bad | (p != p) | (p <= 0.0)
+    bad = bad | (minp != minp) | (minp < 0.0) | (minp > 1.0)
+    bad = bad | (rep != rep) | (rep <= 0.0) | (rep == INF)
+    bad = bad | (freq != freq) | (tl.abs(freq) == INF) | (pres != pres) | (tl.abs(pres) == INF)
+    return bad
 
 
 @triton.jit

@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fuselane.plugin.config import ENV_VAR as KERNELS_ENV
 from fuselane.plugin.config import (
+    CHECK_INDICES_ENV_VAR,
     FAULT_INJECT_ENV_VAR,
     FuselaneConfigError,
     is_loopback,
+    parse_check_indices,
     parse_fault_inject,
     parse_kernels,
 )
+from fuselane.plugin.config import ENV_VAR as KERNELS_ENV
 from fuselane.plugin.telemetry_config import PORT_ENV, TelemetryConfig, TelemetryConfigError
 
 if TYPE_CHECKING:
@@ -141,6 +143,10 @@ def _arm_env_errors(config: CanaryConfig, arm: str) -> list[str]:
             )
     try:
         parse_fault_inject(env.get(FAULT_INJECT_ENV_VAR))
+    except FuselaneConfigError as e:
+        bad(e)
+    try:
+        parse_check_indices(env.get(CHECK_INDICES_ENV_VAR))
     except FuselaneConfigError as e:
         bad(e)
     try:

@@ -182,6 +182,77 @@ def test_greedy_ties_inf_rows_and_nan_rows():
     assert torch.equal(out.token_ids[:4], want[:4])
 
 
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", -0.5),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("top_p", 0.0),
+        ("min_p", 2.0),
+        ("min_p", float("nan")),
+        ("min_p", -0.1),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", float("inf")),
+        ("presence_penalty", float("nan")),
+    ],
+)
+def test_parameters_outside_vllms_domain_give_token_minus_one(name, value):
+    """A row whose parameter vLLM's SamplingParams would refuse gets token -1 and nan_rows -1
+    (never a silent token 0 drawn from NaN scores); its neighbours are sampled as usual."""
+    B, V = 3, 500
+    x = _logits(B, V, seed=21)
+    neutral = {
+        "temperature": 0.8, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
+        "frequency_penalty": 0.2, "presence_penalty": 0.1,
+    }  # fmt: skip
+    fields = {k: torch.full((B,), v) for k, v in neutral.items()}
+    fields[name][1] = value
+    pen = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    S = B
+    pm, oc, om = penalty_state_from_v1(torch.randint(0, V, (S, 8)), [[1, 2], [3], []], V)
+    prm = _params(B, seed=4, prompt_bin_mask=pm, output_bin_counts=oc, output_bin_mask=om,
+                  seeds=torch.arange(B, dtype=torch.int64), **fields)  # fmt: skip
+    assert all(getattr(prm, f) is not None for f in pen)
+    out = fused_sample(x, prm, workspace=_ws(B, V), num_logprobs=None)
+    ref = sample_reference(x, prm, num_logprobs=None)
+    assert out.token_ids.tolist()[1] == -1 and out.nan_rows.tolist()[1] == -1
+    assert torch.equal(out.token_ids, ref.token_ids) and torch.equal(out.nan_rows, ref.nan_rows)
+    assert out.token_ids[0] >= 0 and out.token_ids[2] >= 0
+
+
+@pytest.mark.parametrize("count", [7, 1000, -3])
+def test_logit_bias_count_past_the_list_reads_only_the_list(count):
+    """A bias count larger than the list uses the whole list and nothing past it (the values
+    behind the list, in the next slot's row, must not leak in); a negative count uses none."""
+    B, V = 2, 64
+    x = torch.zeros(B, V)
+    toks = torch.tensor([[5, 6, 7], [40, 41, 42]], dtype=torch.int32)
+    vals = torch.tensor([[10.0, 20.0, 30.0], [100.0, 200.0, 300.0]])
+    counts = torch.tensor([count, 0], dtype=torch.int32)
+    prm = _params(B, temperature=torch.zeros(B), logit_bias_counts=counts,
+                  logit_bias_token_ids=toks, logit_bias_values=vals)  # fmt: skip
+    out, _ = _check(x, prm, num_logprobs=3, mode="processed_logits")
+    assert out.token_ids.tolist() == [7 if count > 0 else 0, 0]
+    top = out.topn_ids[0].tolist()
+    assert (top == [7, 6, 5]) if count > 0 else (top == [0, 1, 2]), top
+
+
+def test_logit_bias_lists_must_be_contiguous():
+    B, V = 2, 64
+    wide = torch.zeros(B, 6, dtype=torch.int32)
+    prm = _params(
+        B,
+        logit_bias_counts=torch.ones(B, dtype=torch.int32),
+        logit_bias_token_ids=wide[:, :3],
+        logit_bias_values=torch.zeros(B, 3),
+    )
+    with pytest.raises(ValueError, match=r"logit_bias_token_ids.*contiguous"):
+        fused_sample(_logits(B, V), prm, workspace=_ws(B, V))
+
+
 @pytest.mark.parametrize("V,chunk", [(1, None), (1000, None), (2111, 128)])
 def test_greedy_equals_argmax(V, chunk):
     x = _logits(4, V, seed=V)
