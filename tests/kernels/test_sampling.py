@@ -242,7 +242,7 @@ def test_logit_bias_count_past_the_list_reads_only_the_list(count):
 
 def test_logit_bias_lists_must_be_contiguous():
     B, V = 2, 64
-    wide = torch.zeros(B, 6, dtype=torch.int32)
+    wide = torch.zeros(B, 6, dtype=torch.int32, device=DEVICE)  # sliced there: not a copy
     prm = _params(
         B,
         logit_bias_counts=torch.ones(B, dtype=torch.int32),
