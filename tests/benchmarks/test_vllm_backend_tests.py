@@ -432,6 +432,7 @@ def test_vllm_026_test_file_collects_with_fuselane_added(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.skipif(
     not (VLLM_SRC_TESTS.is_dir() and (VLLM_026 / "vllm").is_dir()),
     reason="needs vLLM 0.26's test sources in .vllm-src/tests and its wheel in .vllm-targets/0.26",
