@@ -37,7 +37,7 @@ from .test_canary import (
     canary,  # noqa: F401 - the module fixture, started for this module
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # outside CI: a canary of its own
 
 
 def _custom_replicas() -> list:
