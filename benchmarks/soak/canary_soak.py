@@ -188,13 +188,19 @@ class Schedule:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from fuselane.serving.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="canary-soak-") as tmp:
+        model_dir = args.model_dir or build_tiny_model(Path(tmp) / "tiny-model")
+        return soak(args, Path(model_dir))
+
+
+def soak(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """The run itself, on a model that exists; the results JSON's content."""
     import ray
     from ray import serve
 
-    from fuselane.serving.tiny_model import build_tiny_model
-
-    model_dir = args.model_dir or build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-model")
-    config = soak_config(args, Path(model_dir))
+    config = soak_config(args, model_dir)
     machine = report.machine()
     ray.init(
         num_cpus=args.num_cpus,
