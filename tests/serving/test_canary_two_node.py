@@ -406,4 +406,5 @@ def test_the_custom_arm_comes_back_with_its_node(cluster):
 
 
 def _alive(node: RayNode) -> bool:
-    return any(n["Alive"] and "custom_arm" in n["Resources"] for n in ray.nodes())
+    """Whether a node with `node`'s resources is alive (the lost one is not: it is dead)."""
+    return any(n["Alive"] and all(k in n["Resources"] for k in node.resources) for n in ray.nodes())
