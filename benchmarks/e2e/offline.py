@@ -1,9 +1,10 @@
 """An arm's offline engine: the body of the subprocess that `run_e2e.py --worker offline` runs.
 
 One `vllm.LLM` per process, so that its GPU memory is freed when the process ends: the weights'
-re-init and the correctness pass, a warm-up, the throughput workloads, and the lone prefills;
-each step's results go to the result JSON as soon as they exist, so that a crash later in the
-process keeps them.
+re-init and the correctness pass, a warm-up, the throughput workloads, and the lone prefills
+(with `--golden` the correctness pass alone); the engine's memory figures after start-up and at
+the end (memory.py). Each step's results go to the result JSON as soon as they exist, so that a
+crash later in the process keeps them.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import memory
 import prefill_probe
 import settings
 from arms import Arm, engine_kwargs, trace_dir
@@ -75,6 +77,36 @@ def run_lone_prefills(llm: Any, arm: Arm, profile: bool) -> dict[str, Any]:
     return out
 
 
+def _timed_runs(
+    llm: Any,
+    arm: Arm,
+    workloads: Sequence[Workload],
+    profile: bool,
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """The warm-up, the workloads and the lone prefills, into `result` as they finish."""
+    # Warm-up: Triton autotune/JIT of any kernel not hit yet, sampler paths.
+    t0 = time.perf_counter()
+    n, length, warm_tokens = settings.WARMUP
+    warm = _sampling(warm_tokens)
+    llm.generate(tokens_prompts(build_prompts(n, length, seed=99)), warm, use_tqdm=False)
+    result["phases"]["warmup_s"] = time.perf_counter() - t0
+    result["offline"] = {}
+    for wl in workloads:
+        try:
+            result["offline"][wl.name] = run_workload(llm, wl)
+        except Exception as e:  # noqa: BLE001 - recorded, next workload
+            result["offline"][wl.name] = {"error": f"{type(e).__name__}: {e}"}
+        save()
+    t0 = time.perf_counter()
+    try:
+        result["lone_prefill"] = run_lone_prefills(llm, arm, profile)
+    except Exception as e:  # noqa: BLE001 - recorded
+        result["lone_prefill"] = {"error": f"{type(e).__name__}: {e}"}
+    result["phases"]["lone_prefill_s"] = time.perf_counter() - t0
+
+
 def worker_offline(
     arm: Arm,
     model: str,
@@ -82,20 +114,25 @@ def worker_offline(
     result_path: Path,
     probe_only: bool = False,
     profile: bool = False,
+    golden: bool = False,
 ) -> int:
     """Subprocess body: one engine; correctness pass, warm-up, workloads, lone prefills; JSON to
-    result_path. `probe_only`: warm-up and lone prefills only."""
+    result_path. `probe_only`: warm-up and lone prefills only; `golden`: the correctness pass
+    only."""
     result: dict[str, Any] = {"arm": arm.name, "phases": {}}
 
     def save() -> None:
         result_path.write_text(json.dumps(result))
 
     try:
+        # Before the engine exists: its core process inherits the timer (memory.py).
+        result["memory"] = {"capture_timer": memory.install_capture_timer()}
         from vllm import LLM
 
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(arm, model, profile))
         result["engine_start_s"] = time.perf_counter() - t0
+        result["memory"]["after_start"] = memory.probe(llm)
         save()
         if not probe_only:  # the probe times lone requests; the dummy weights serve it
             t0 = time.perf_counter()
@@ -108,25 +145,9 @@ def worker_offline(
             result["correctness"] = run_correctness(llm)
             result["phases"]["correctness_s"] = time.perf_counter() - t0
             save()
-        # Warm-up: Triton autotune/JIT of any kernel not hit yet, sampler paths.
-        t0 = time.perf_counter()
-        n, length, warm_tokens = settings.WARMUP
-        warm = _sampling(warm_tokens)
-        llm.generate(tokens_prompts(build_prompts(n, length, seed=99)), warm, use_tqdm=False)
-        result["phases"]["warmup_s"] = time.perf_counter() - t0
-        result["offline"] = {}
-        for wl in [] if probe_only else workloads:
-            try:
-                result["offline"][wl.name] = run_workload(llm, wl)
-            except Exception as e:  # noqa: BLE001 - recorded, next workload
-                result["offline"][wl.name] = {"error": f"{type(e).__name__}: {e}"}
-            save()
-        t0 = time.perf_counter()
-        try:
-            result["lone_prefill"] = run_lone_prefills(llm, arm, profile)
-        except Exception as e:  # noqa: BLE001 - recorded
-            result["lone_prefill"] = {"error": f"{type(e).__name__}: {e}"}
-        result["phases"]["lone_prefill_s"] = time.perf_counter() - t0
+        if not golden:
+            _timed_runs(llm, arm, [] if probe_only else workloads, profile, result, save)
+        result["memory"]["after_run"] = memory.probe(llm)
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - the parent records it
         result["status"] = "failed"

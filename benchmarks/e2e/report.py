@@ -1,6 +1,7 @@
 """The end-to-end run's report: the JSON (plan, device, versions, per-arm results, ratios to each
-arm's reference, the correctness comparisons and verdict), where it is written, the merge of
-several runs of one lease, and the table printed last.
+arm's reference, the correctness comparisons and verdict, the memory figures and their check, the
+golden result), where it is written, the merge of several runs of one lease, and the table
+printed last.
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import golden
+import memory
 import settings
-from arms import engine_kwargs, is_reference, make_arms, reference_of, sampler_hook_available
+from arms import (
+    engine_kwargs,
+    is_reference,
+    make_arms,
+    reference_of,
+    sampler_hook_available,
+    v1_runner_arms,
+)
 from correctness import (
     WEIGHT_SEED,
     WEIGHT_STD,
@@ -64,6 +74,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_logprobs_max_len": settings.CORRECTNESS_PROMPT_LOGPROBS_MAX_LEN,
         },
         "budget_s": args.budget_s,
+        "golden": (
+            {"mode": args.golden, "file": args.golden_file, "arms": args.arms}
+            if getattr(args, "golden", None)
+            else None
+        ),
     }
 
 
@@ -103,8 +118,28 @@ def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     report["correctness"] = cmp
     if "fuselane" in cmp:
         report["correctness_verdict"] = correctness_verdict(cmp["fuselane"], cmp.get("TRITON_ATTN"))
+    report["memory"] = memory_check(arms)
+    report["memory_flags"] = [f for c in report["memory"].values() for f in c["flags"]]
     report["finished_at"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return report
+
+
+def memory_check(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each arm's memory summary (kept in the arm), and each fuselane arm's comparison with its
+    reference's (memory.compare)."""
+    fuselane_arms = {
+        a.name for a in make_arms(with_all=True) + v1_runner_arms() if a.needs_fuselane
+    }
+    for res in arms.values():
+        if res.get("memory"):
+            res["memory"]["summary"] = memory.summary(res["memory"])
+    out = {}
+    for name in arms.keys() & fuselane_arms:
+        mine = (arms[name].get("memory") or {}).get("summary")
+        ref = (arms.get(reference_of(name)) or {}).get("memory", {}).get("summary")
+        if mine and ref:
+            out[name] = memory.compare(mine, ref, name, reference_of(name))
+    return out
 
 
 def write_report(report: dict[str, Any], out_dir: Path | None, copy_to_results: bool) -> list[Path]:
@@ -262,4 +297,33 @@ def table(report: dict[str, Any]) -> str:
     v = report.get("correctness_verdict")
     if v:
         lines.append(f"correctness verdict (fuselane): {'PASS' if v['ok'] else 'FAIL'}")
+    lines += memory_lines(report)
+    lines += golden.lines(report.get("golden"))
     return "\n".join(lines)
+
+
+def memory_lines(report: dict[str, Any]) -> list[str]:
+    """Per arm: KV blocks and tokens, peak GPU memory, capture time and memory; then the
+    fuselane arms' checks."""
+    out = []
+    for name, res in report["arms"].items():
+        m = (res.get("memory") or {}).get("summary")
+        if not m:
+            continue
+        source = " (log, whole s)" if (m.get("capture_source") or "").startswith("log") else ""
+        out.append(
+            f"memory {name}: KV {_fmt(m.get('num_gpu_blocks'))} blocks x "
+            f"{_fmt(m.get('block_size'))} ({_fmt(m.get('kv_cache_tokens'))} tokens, "
+            f"{_fmt(m.get('available_kv_cache_gib'), '.2f')} GiB), peak allocated / reserved "
+            f"{_fmt(m.get('peak_allocated_gib'), '.2f')} / "
+            f"{_fmt(m.get('peak_reserved_gib'), '.2f')} GiB, CUDA graphs "
+            f"{_fmt(m.get('capture_s'), '.2f')} s{source} {_fmt(m.get('capture_gib'), '.2f')} GiB"
+        )
+    for name, c in (report.get("memory") or {}).items():
+        kv, cap = c["kv"], c["capture_s"]
+        verdict = "FLAG: " + "; ".join(c["flags"]) if c["flags"] else "OK"
+        out.append(
+            f"memory check {name} vs {c['reference']}: KV equal {_fmt(kv['equal'])}, capture "
+            f"{_fmt(cap['ratio'], '.2f')}x (<= {memory.CAPTURE_RATIO}x): {verdict}"
+        )
+    return out

@@ -47,13 +47,22 @@ then one call (carrying `.vllm-gpu/d`, `.vllm-gpu/device.sh`, `.vllm-gpu/llama8b
 The pip line installs fuselane into /tmp/site with its `vllm.general_plugins` entry point, which
 is how vLLM finds the plugin in every engine process.
 
+`--golden write|check --golden-file FILE` runs the offline engines' greedy correctness pass only
+(32 tokens, top-5 logprobs; FLASH_ATTN, fuselane and TRITON_ATTN unless `--arms` says otherwise)
+and writes FLASH_ATTN's outputs as the golden file, or checks every arm against the file with the
+correctness verdict's rule, TRITON_ATTN setting the bound (golden.py). Every run records each
+arm's memory figures (KV-cache blocks, GPU memory peaks, CUDA-graph capture time and memory;
+memory.py) and flags a fuselane arm whose KV capacity differs from its reference's or whose
+capture takes more than 1.2x as long.
+
 The script is split by concern; this file keeps the arguments and the orchestration:
 `settings.py` (the run's settings and prompts, which `--smoke` shrinks), `arms.py` (the engine
 configurations, their engine arguments, server command and environment), `processes.py` (engine
 processes in their own process group, stopped with all they spawned; server readiness; log
 scanning), `offline.py` (the offline engine's subprocess body), `online.py` (the server run and
 its load), `correctness.py` (the greedy pass, the comparison with the reference and the verdict
-rule), `report.py` (the JSON, its merge across runs, the table) and `prefill_probe.py`.
+rule), `golden.py` (the golden file), `memory.py` (memory and capture figures, their check),
+`report.py` (the JSON, its merge across runs, the table) and `prefill_probe.py`.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ HERE = Path(__file__).resolve().parent
 # fuselane installed, and one copy of each serves every caller (`settings` is changed in place).
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+import golden  # noqa: E402
 import settings  # noqa: E402
 from arms import (  # noqa: E402
     ONLINE_PRIORITY,
@@ -85,6 +95,7 @@ from arms import (  # noqa: E402
     v1_runner_arms,
 )
 from correctness import LOGPROB_ATOL, compare_correctness, correctness_verdict  # noqa: E402
+from memory import parse_memory_log  # noqa: E402
 from offline import worker_offline  # noqa: E402
 from online import run_online, write_tokenizer_model_dir  # noqa: E402
 from processes import exit_on_termination, owned_process, run_engine_process, scan_log  # noqa: E402
@@ -116,6 +127,7 @@ __all__ = [
     "online_plan",
     "owned_process",
     "parse_args",
+    "parse_memory_log",
     "ratios",
     "reference_of",
     "scan_log",
@@ -133,6 +145,10 @@ def __getattr__(name: str) -> Any:
     if name.isupper() and hasattr(settings, name):
         return getattr(settings, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# The arms of a golden run unless --arms names others: the reference, fuselane, the bound.
+GOLDEN_ARMS = (golden.REFERENCE_ARM, "fuselane", golden.BOUND_ARM)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -168,6 +184,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="profile one lone prefill per length with vLLM's torch profiler (kernel summary)",
     )
     p.add_argument(
+        "--golden",
+        choices=golden.MODES,
+        help="greedy correctness pass only (32 tokens, top-5 logprobs): write FLASH_ATTN's "
+        "outputs to --golden-file, or check every arm against that file (no workloads, no "
+        "servers)",
+    )
+    p.add_argument("--golden-file", metavar="JSON", help="the golden file of --golden")
+    p.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
@@ -182,8 +206,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.probe_only and args.online_only:
         p.error("--probe-only times offline engines; it cannot go with --online-only")
-    # The probe is an offline measurement: no servers after it.
-    args.skip_online = args.skip_online or args.probe_only
+    if args.golden and (args.probe_only or args.online_only):
+        p.error("--golden runs the offline correctness pass; not with --probe-only/--online-only")
+    if args.golden and not args.golden_file and not args.worker:
+        p.error("--golden needs --golden-file")
+    # The probe and the golden pass are offline: no servers after them.
+    args.skip_online = args.skip_online or args.probe_only or bool(args.golden)
+    if args.golden and not args.arms:
+        args.arms = list(GOLDEN_ARMS)
     return args
 
 
@@ -199,8 +229,11 @@ def run_arm_offline(
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--probe-only"] if args.probe_only else []
     cmd += ["--profile"] if args.profile else []
+    cmd += ["--golden", args.golden] if args.golden else []
     log_path = logs / f"{arm.name}-offline.log"
-    return run_engine_process(cmd, arm_env(arm), log_path, result_path, timeout)
+    res = run_engine_process(cmd, arm_env(arm), log_path, result_path, timeout)
+    res.setdefault("memory", {})["log"] = parse_memory_log(log_path.read_text(errors="replace"))
+    return res
 
 
 def publish(report: dict[str, Any], out_dir: Path | None, copy_to_results: bool) -> None:
@@ -218,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.smoke:
         settings.apply_smoke()
+    if args.golden:
+        settings.apply_golden()
     settings.TENSOR_PARALLEL, settings.TELEMETRY = args.tensor_parallel_size, args.telemetry
     if args.worker == "offline":
         arm = next(a for a in make_arms() + v1_runner_arms() if a.name == args.worker_arm)
@@ -228,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.worker_result),
             probe_only=args.probe_only,
             profile=args.profile,
+            golden=bool(args.golden),
         )
     exit_on_termination()
     t_start = time.monotonic()
@@ -265,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # engine runs first (the throughput numbers matter most), then the servers in the same
     # order, so a tight budget drops TRITON_ATTN's server first.
     est_offline, est_online = (110.0, 70.0) if not args.quick else (90.0, 60.0)
+    if args.golden:  # engine start and one short greedy pass
+        est_offline = 75.0
     for arm in arms:
         res: dict[str, Any] = {}
         report["arms"][arm.name] = res
@@ -303,14 +341,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - recorded
                 res["online"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
             if log_path.exists():
-                res["online"]["log"] = scan_log(log_path.read_text(errors="replace"))
+                text = log_path.read_text(errors="replace")
+                res["online"]["log"] = scan_log(text)
+                res["online"]["memory_log"] = parse_memory_log(text)
         if (res.get("online") or {}).get("status") != "ok":
             res["status"] = "partial"
         write_report(finish_report(report), out_dir, False)
+    if args.golden:
+        report["golden"] = golden.run(args.golden, Path(args.golden_file), report, args.model)
     report["elapsed_s"] = time.monotonic() - t_start
     finish_report(report)
     publish(report, out_dir, not args.no_results_copy)
-    return 0
+    # A golden check that fails (or a file that could not be written or read) fails the run.
+    return 1 if args.golden and not report["golden"]["ok"] else 0
 
 
 if __name__ == "__main__":

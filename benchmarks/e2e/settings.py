@@ -2,9 +2,10 @@
 
 Where the run keeps its files, the engine settings every arm shares, the sampling, the offline
 workloads, the online request rates and the correctness pass's prompt shapes; `apply_smoke`
-shrinks them for the tiny CPU model. The other modules read them here at call time
-(`settings.MAX_MODEL_LEN`), never as copies taken at import: `--smoke`, `--tensor-parallel-size`
-and `--telemetry` replace them once the arguments are known, and every reader must see that.
+shrinks them for the tiny CPU model, `apply_golden` sets the golden pass's length. The other
+modules read them here at call time (`settings.MAX_MODEL_LEN`), never as copies taken at
+import: `--smoke`, `--golden`, `--tensor-parallel-size` and `--telemetry` replace them once the
+arguments are known, and every reader must see that.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ CORRECTNESS_OUTPUT = 48
 CORRECTNESS_TOP_LOGPROBS = 5
 CORRECTNESS_PROMPT_LOGPROBS_MAX_LEN = 1024
 CORRECTNESS_SEED = 1234
+# `--golden write|check`: the correctness pass is the run's only work (no warm-up, workloads,
+# lone prefills or servers) and generates this many tokens per prompt.
+GOLDEN_OUTPUT = 32
 
 
 def apply_smoke() -> None:
@@ -88,6 +92,13 @@ def apply_smoke() -> None:
     ONLINE_INPUT_LEN, ONLINE_OUTPUT_LEN, ONLINE_RATES = 32, 4, (4.0,)
     ONLINE_SECONDS, ONLINE_MIN_REQUESTS = 1.0, 4
     WORK_DIR = Path("/tmp/fuselane-e2e-smoke")
+
+
+def apply_golden() -> None:
+    """`--golden`: the correctness pass generates GOLDEN_OUTPUT tokens (after `apply_smoke`,
+    which only shortens the prompts then)."""
+    global CORRECTNESS_OUTPUT
+    CORRECTNESS_OUTPUT = GOLDEN_OUTPUT
 
 
 def selected_workloads(quick: bool) -> list[Workload]:
