@@ -1,5 +1,6 @@
 """Shared set-up of the plugin tests: the tiny model and the engine runs (session fixtures:
-each engine starts once)."""
+each engine starts once per session, also when tests/golden, which imports these fixtures,
+runs in the same session)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,40 @@ import pytest
 
 from fuselane.serving.tiny_model import build_tiny_model
 
-from .engines import run_engine
+from .engines import once, run_engine
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return once(
+        tmp_path_factory,
+        "tiny_model",
+        lambda: build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"),
+    )
 
 
 @pytest.fixture(scope="session")
 def engine_out(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("engines")
+    return once(tmp_path_factory, "engine_out", lambda: tmp_path_factory.mktemp("engines"))
 
 
+# Both runs' greedy pass is the golden one (`--golden`: PROMPTS and two more, 32 tokens each),
+# which tests/golden compares with its committed file: the golden check adds no engine start.
 @pytest.fixture(scope="session")
-def stock_run(tiny_model, engine_out) -> tuple[dict, str]:
+def stock_run(tmp_path_factory, tiny_model, engine_out) -> tuple[dict, str]:
     """vLLM's own kernels (FUSELANE_KERNELS unset)."""
-    return run_engine(tiny_model, engine_out, "stock", None)
+    return once(
+        tmp_path_factory,
+        "stock_run",
+        lambda: run_engine(tiny_model, engine_out, "stock", None, "--golden"),
+    )
 
 
 @pytest.fixture(scope="session")
-def fuselane_run(tiny_model, engine_out) -> tuple[dict, str]:
+def fuselane_run(tmp_path_factory, tiny_model, engine_out) -> tuple[dict, str]:
     """FUSELANE_KERNELS=all, no CLI flag."""
-    return run_engine(tiny_model, engine_out, "fuselane", "all")
+    return once(
+        tmp_path_factory,
+        "fuselane_run",
+        lambda: run_engine(tiny_model, engine_out, "fuselane", "all", "--golden"),
+    )

@@ -2,7 +2,7 @@
 
 Every engine runs in a process of its own (tests/plugin/engine_runner.py), with the plugin
 loaded through the installed entry point, so each sees its own FUSELANE_KERNELS and nothing
-leaks into the test process.
+leaks into the test process. `once` lets the fixtures of several test folders share one run.
 """
 
 from __future__ import annotations
@@ -11,13 +11,22 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    import pytest
+
+T = TypeVar("T")
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_runner.py"
 ENGINE_TIMEOUT_S = 600
+# Session-wide values by (pytest's base temp dir, key): see `once`.
+_ONCE: dict[tuple[str, str], Any] = {}
 
 
 def engine_dtype() -> str:
@@ -72,3 +81,22 @@ def run_engine(
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} failed (exit {proc.returncode}):\n{log[-6000:]}"
     return json.loads(out.read_text()), log
+
+
+def once(tmp_path_factory: pytest.TempPathFactory, key: str, make: Callable[[], T]) -> T:
+    """`make()` once per pytest session, whichever folder's fixture asks first.
+
+    A session fixture belongs to its conftest: tests/golden reuses tests/plugin's fixtures, and
+    pytest would run them once for each folder. Each engine takes minutes under Triton's
+    interpreter, so the fixtures keep their values here instead (a failure too, so that a
+    broken engine is not started twice)."""
+    k = (str(tmp_path_factory.getbasetemp()), key)
+    if k not in _ONCE:
+        try:
+            _ONCE[k] = make()
+        except Exception as e:  # noqa: BLE001 - kept and raised again for the next asker
+            _ONCE[k] = e
+    value = _ONCE[k]
+    if isinstance(value, Exception):
+        raise value
+    return value
