@@ -30,11 +30,31 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
-    from .config import CanaryConfigError, load_config
+def _connect(address: str) -> str | None:
+    """Join the cluster; None after saying why not (`cluster.ClusterError`: one line). Before
+    anything imports Ray Serve LLM or vLLM: their import logs, and takes seconds."""
+    from .cluster import ClusterError, connect
 
     try:
-        config = load_config(args.config, check_paths=not args.remote_model)
+        return connect(address)
+    except ClusterError as e:
+        _fail(str(e))
+        return None
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from .config import CanaryConfigError, check_engine_args, load_config
+
+    # The config's own checks (milliseconds), then the cluster, then vLLM's reading of the
+    # engine arguments: it imports vLLM (seconds), wasted where there is no cluster to deploy to.
+    try:
+        config = load_config(args.config, check_paths=not args.remote_model, check_engine=False)
+    except CanaryConfigError as e:
+        return _fail(str(e))
+    if not args.print_serve_config and _connect(args.address) is None:
+        return 2
+    try:
+        check_engine_args(config, args.config)
     except CanaryConfigError as e:
         return _fail(str(e))
     if args.print_serve_config:
@@ -46,7 +66,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         return 0
     from . import control
 
-    control.connect(args.address)
     print(f"deploying {config.name} (stock, custom, ingress) ...", flush=True)
     try:
         control.deploy(config, wait_s=0 if args.no_wait else args.timeout)
@@ -57,9 +76,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_weight(args: argparse.Namespace) -> int:
+    if _connect(args.address) is None:
+        return 2
     from . import control
 
-    control.connect(args.address)
     try:
         uc = control.set_weight(args.app, args.weight, args.shadow_fraction)
     except control.CanaryControlError as e:
@@ -72,9 +92,11 @@ def cmd_weight(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if _connect(args.address) is None:
+        return 2
     from . import control
+    from .kernel_metrics import format_builds
 
-    control.connect(args.address)
     try:
         st = control.status(args.app)
     except Exception as e:  # noqa: BLE001 - no app, no cluster: say which, exit non-zero
@@ -83,6 +105,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2, default=str))
         return 0
     print(control.format_status(st))
+    print(format_builds(st))
     if args.kernels:
         print()
         print(control.format_kernel_metrics(st))
@@ -90,23 +113,38 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .config import CanaryConfigError
-    from .demo import run_demo
+    # Only the standard library before `run_demo`: importing Ray Serve LLM and vLLM logs, and
+    # the demo sends this process's logs to a file first.
+    from .demo import DemoStopped, run_demo
 
     try:
         return run_demo(args)
-    except CanaryConfigError as e:
-        return _fail(str(e))
+    except DemoStopped as e:
+        print(f"fuselane demo: stopped by {e.name}; its Ray cluster is stopped", file=sys.stderr)
+        return 128 + e.signum
+    except Exception as e:
+        from .cluster import ClusterError
+        from .config import CanaryConfigError
+        from .control import CanaryControlError
+
+        if isinstance(e, (CanaryConfigError, CanaryControlError, ClusterError)):
+            return _fail(str(e))
+        raise
 
 
 def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
     p.add_argument(
         "--address",
         default="auto",
-        help="Ray cluster address (default: auto, the cluster this machine started or joined)",
+        help="Ray cluster address, HOST:PORT (default: auto, the one cluster running on this "
+        "machine; where several run, say which)",
     )
     if app:
         p.add_argument("--app", default="fuselane-canary", help="the canary's Serve app name")
+
+
+def _shadow_fraction(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--shadow-fraction", type=_unit_interval, default=None, metavar="F", help=help)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -140,7 +178,8 @@ def add_parser(subparsers: Any) -> None:
     d.add_argument(
         "--print-serve-config",
         action="store_true",
-        help="print the equivalent Serve config (for `serve deploy`) and exit",
+        help="print the equivalent Serve config (for `serve deploy`) and exit: checks the "
+        "config without a cluster",
     )
     d.set_defaults(func=cmd_deploy)
 
@@ -152,13 +191,7 @@ def add_parser(subparsers: Any) -> None:
         "rollback.",
     )
     w.add_argument("weight", type=_unit_interval, help="0..1, e.g. 0.25")
-    w.add_argument(
-        "--shadow-fraction",
-        type=_unit_interval,
-        default=None,
-        metavar="F",
-        help="also set the fraction of requests sent to both arms and compared (0..1)",
-    )
+    _shadow_fraction(w, "also set the fraction of requests sent to both arms and compared (0..1)")
     _common(w)
     w.set_defaults(func=cmd_weight)
 
@@ -176,9 +209,10 @@ def add_parser(subparsers: Any) -> None:
     demo = subparsers.add_parser(
         "demo",
         help="build the tiny model, deploy both arms locally, drive load, show the metrics",
-        description="The canary end to end on this machine: a local Ray on 127.0.0.1, stock and "
-        "custom vLLM arms behind the canary ingress, a short load, per-arm latency, shadow "
-        "agreement and per-kernel metrics. Endpoints stay up until Ctrl-C or --duration.",
+        description="The canary end to end on this machine: a local Ray on 127.0.0.1 only, "
+        "stock and custom vLLM arms behind the canary ingress, a short load, per-arm latency, "
+        "shadow agreement, builds and per-kernel metrics. Endpoints stay up until Ctrl-C, "
+        "SIGTERM or --duration; then the Ray cluster it started stops, all of it.",
     )
     demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="canary config YAML")
     demo.add_argument("--model", help="a real model directory (GPU); default: the tiny model")
@@ -189,11 +223,8 @@ def add_parser(subparsers: Any) -> None:
     demo.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     demo.add_argument("--output-len", type=int, default=16, help="tokens per request")
     demo.add_argument("--weight", type=_unit_interval, default=None, help="custom arm share")
-    demo.add_argument(
-        "--shadow-fraction",
-        type=_unit_interval,
-        default=None,
-        help="fraction of requests sent to both arms and compared (default: the config's)",
+    _shadow_fraction(
+        demo, "fraction of requests sent to both arms and compared (default: the config's)"
     )
     demo.add_argument(
         "--num-cpus",

@@ -9,6 +9,7 @@ through Ray itself, as `serve run` does).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -21,14 +22,6 @@ MONITOR = "CanaryMonitor"
 
 class CanaryControlError(RuntimeError):
     pass
-
-
-def connect(address: str | None = "auto", **init_kwargs: Any) -> None:
-    """Join the Ray cluster at `address` (no-op when this process is already connected)."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, **init_kwargs)
 
 
 def _client(http: dict[str, Any] | None = None) -> Any:
@@ -60,7 +53,11 @@ def _apply(client: Any, apps: list[dict[str, Any]], http: dict[str, Any]) -> Non
 
 def deploy(config: CanaryConfig, *, wait_s: float = 900.0, poll_s: float = 2.0) -> None:
     """Start Serve's HTTP proxy on the config's host/port if needed, apply the app, wait until
-    it is RUNNING (raise CanaryControlError with Serve's message if it fails or times out)."""
+    it is RUNNING (raise CanaryControlError with Serve's message if it fails or times out).
+
+    An app whose update fails gets its previous config back: Serve stops an arm's old replicas
+    before it starts the new ones (a one-replica arm has none left), so without it the arm
+    would stay down until the next deploy. The error says whether the previous one runs again."""
     http = {"host": config.http.host, "port": config.http.port}
     client = _client(http)
     epoch = 0
@@ -71,10 +68,48 @@ def deploy(config: CanaryConfig, *, wait_s: float = 900.0, poll_s: float = 2.0) 
     except CanaryControlError:
         pass
     apps = _declarative_apps(client, skip=_names(config))
+    previous = {a["name"]: a for a in _declarative_apps(client) if a["name"] in _names(config)}
     _apply(client, [*apps, *serve_apps(config, config.user_config(epoch))], http)
     if wait_s > 0:
-        for name in _names(config):
-            wait_running(name, wait_s=wait_s, poll_s=poll_s)
+        try:
+            for name in _names(config):
+                wait_running(name, wait_s=wait_s, poll_s=poll_s)
+        except DeployFailed as e:
+            restored = _restore(previous.get(e.app), e.app, http, wait_s)
+            raise DeployFailed(e.app, f"{e}\n{restored}") from None
+
+
+class DeployFailed(CanaryControlError):
+    def __init__(self, app: str, message: str) -> None:
+        super().__init__(message)
+        self.app = app
+
+
+def _restore(previous: dict[str, Any] | None, app: str, http: dict[str, Any], wait_s: float) -> str:
+    if previous is None:
+        return f"{app!r} had no earlier deployment to go back to"
+    client = _client()
+    _apply(client, [*_declarative_apps(client, skip=(app,)), previous], http)
+    try:
+        wait_running(app, wait_s=wait_s)
+    except CanaryControlError as e:
+        return f"the previous {app!r} is deployed again but does not run: {e}"
+    return f"the previous {app!r} is deployed again and running"
+
+
+# The last line of a Python traceback: `ValueError: ...`, `ray.exceptions.RayTaskError(...): ...`
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b[^:]*:")
+
+
+def replica_error(message: str) -> str:
+    """A deployment's status message down to the replica's own error: Serve's first sentence
+    and the traceback's last exception line (with the lines of its message)."""
+    head, _, trace = message.partition("Error:\n")
+    lines = [ln.strip() for ln in trace.splitlines() if ln.strip()]
+    last = max((i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)), default=None)
+    if last is None:
+        return message.strip()
+    return f"{head.split('. ')[0].strip()}: {' '.join(lines[last:])}"
 
 
 def wait_running(app: str, *, wait_s: float = 900.0, poll_s: float = 2.0) -> None:
@@ -87,7 +122,13 @@ def wait_running(app: str, *, wait_s: float = 900.0, poll_s: float = 2.0) -> Non
         if state.endswith("RUNNING"):
             return
         if state.endswith("DEPLOY_FAILED") or state.endswith("UNHEALTHY"):
-            raise CanaryControlError(f"app {app!r}: {state}: {status.app_status.message}")
+            failed = [
+                f"\n  {d.name}: {replica_error(d.message)}"
+                for d in status.deployment_statuses
+                if str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and d.message
+            ]
+            msg = f"app {app!r}: {state}: {status.app_status.message}{''.join(failed)}"
+            raise DeployFailed(app, msg)
         last = f"{state} {status.app_status.message}".strip()
         time.sleep(poll_s)
     raise CanaryControlError(f"app {app!r} not running after {wait_s:g}s: {last}")

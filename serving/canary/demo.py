@@ -1,20 +1,33 @@
 """`fuselane demo`: the canary end to end on this machine.
 
-Builds the tiny model (unless `--model` names a real one), starts a local Ray (127.0.0.1 only,
-no dashboard; Ray's metrics agent still serves the Prometheus export), deploys the stock and
-custom arms behind the canary ingress, drives a short load through it with a progress bar, and
-prints per-arm latency, the shadow agreement, the canary status and the per-kernel metrics.
-Then it leaves the OpenAI endpoint and the metrics endpoint up until Ctrl-C or `--duration`.
+Builds the tiny model (unless `--model` names a real one), starts a local Ray (every server of
+it on 127.0.0.1, no dashboard; Ray's metrics agent still serves the Prometheus export, on
+127.0.0.1 too), deploys the stock and custom arms behind the canary ingress, drives a short load
+through it with a progress bar, and prints per-arm latency, the shadow agreement, the canary
+status, each arm's build and the per-kernel metrics, with the cluster's address and the
+`fuselane canary` commands for it. Then it leaves the OpenAI endpoint and the metrics endpoint
+up until Ctrl-C, SIGTERM or `--duration`, and stops the cluster it started, all of it
+(`local_cluster.LocalRay.stop`).
+
+Importing Ray Serve LLM gives this process's root logger Ray's JSON handler on stderr, and
+vLLM logs to stdout: both would land in the middle of the tables. Stdout and stderr therefore
+go to a log file for the run (its path is the first line printed), and the demo writes to what
+they were; the progress bar keeps the terminal's stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
+import signal
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -24,6 +37,7 @@ if TYPE_CHECKING:
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIGS / "canary-cpu-tiny.yaml"
 DEFAULT_MODEL_DIR = Path(".tiny-model")
+DEFAULT_APP = "fuselane-canary"  # `fuselane canary weight|status --app`'s default
 
 _WORDS = (
     "the kernel writes the keys",
@@ -122,94 +136,157 @@ def role_resources(config: CanaryConfig) -> dict[str, float]:
     return {k: 64.0 for k in sorted(keys)}
 
 
-def start_local_ray(num_cpus: int | None, metrics_port: int, resources: dict[str, float]) -> None:
-    import os
+class DemoStopped(BaseException):
+    """SIGTERM or SIGINT: a BaseException, as KeyboardInterrupt, so that no `except Exception`
+    on the way (the load generator's, Ray's) takes it for an error and carries on."""
 
-    import ray
-
-    # Logical CPUs, not cores: two tiny CPU engines, the ingress and the monitor fit on two
-    # cores but ask Ray for more than two.
-    num_cpus = num_cpus or max(8, os.cpu_count() or 1)
-    ray.init(
-        num_cpus=num_cpus,
-        resources=resources,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _metrics_export_port=metrics_port,
-        logging_level="ERROR",
-        log_to_driver=False,
-    )
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
 
 
-def run_demo(args: Any, out: TextIO = sys.stdout) -> int:
-    from . import control
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise DemoStopped(signum)
+
+
+def _on_signals(handler: Any) -> None:
+    """SIGTERM and SIGINT to `handler`. Called again once Ray is up: its core installs absl's
+    failure handler for SIGTERM, which prints a stack dump before exiting."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+@contextmanager
+def _handling_signals() -> Iterator[None]:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _on_signals(_raise_stopped)
+    try:
+        yield
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+
+
+@contextmanager
+def _stderr_as(stream: TextIO) -> Iterator[None]:
+    """`sys.stderr` is `stream` for the block (the progress bar draws on the terminal's)."""
+    saved, sys.stderr = sys.stderr, stream
+    try:
+        yield
+    finally:
+        sys.stderr = saved
+
+
+def commands(address: str, app: str) -> list[str]:
+    """The `fuselane canary` commands for this cluster and app, as they are to be typed."""
+    flags = f" --address {address}" + ("" if app == DEFAULT_APP else f" --app {app}")
+    return [f"fuselane canary status{flags}", f"fuselane canary weight 0.5{flags}"]
+
+
+def run_demo(args: Any, out: TextIO | None = None) -> int:
+    """The demo; `out`: where its lines go (default: the terminal's stdout)."""
+    fd, log = tempfile.mkstemp(prefix="fuselane-demo-", suffix=".log")
+    os.close(fd)
+    from .cluster import redirect_fds
+
+    with redirect_fds(log, (1, 2)) as terminal:
+        return _run(args, out or terminal[1], terminal[2], log)
+
+
+def _run(args: Any, out: TextIO, err: TextIO, log: str) -> int:
+    from . import cluster
+    from .local_cluster import LocalRay
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
-    if not args.model:
-        model_dir = Path(args.model_dir)
-        if not (model_dir / "config.json").is_file():
-            from fuselane.serving.tiny_model import build_tiny_model
+    say(f"logs of Ray and vLLM in this process: {log}")
+    local = LocalRay() if args.address is None else None
+    with _handling_signals():
+        if not args.model:
+            model_dir = Path(args.model_dir)
+            if not (model_dir / "config.json").is_file():
+                from fuselane.serving.tiny_model import build_tiny_model
 
-            say(f"building the tiny model in {model_dir} ...")
-            build_tiny_model(model_dir)
-    config = demo_config(args)
-    own_cluster = args.address is None
-    if own_cluster:
-        say(f"starting Ray on 127.0.0.1 (metrics export on :{args.metrics_port}) ...")
-        start_local_ray(args.num_cpus, args.metrics_port, role_resources(config))
-    else:
-        control.connect(args.address)
-    try:
-        t0 = time.monotonic()
-        say(f"deploying {config.name}: stock and custom arms of {config.model.source} ...")
-        control.deploy(config, wait_s=args.deploy_timeout)
-        say(f"deployed in {time.monotonic() - t0:.0f}s")
-        base = f"http://{config.http.host}:{config.http.port}"
+                say(f"building the tiny model in {model_dir} ...")
+                build_tiny_model(model_dir)
+        config = demo_config(args)
+        try:
+            if local is not None:
+                say(f"starting Ray on 127.0.0.1 (metrics export on :{args.metrics_port}) ...")
+                # Logical CPUs, not cores: two tiny CPU engines, the ingress and the monitor
+                # fit on two cores but ask Ray for more than two.
+                address = local.start(
+                    num_cpus=args.num_cpus or max(8, os.cpu_count() or 1),
+                    resources=role_resources(config),
+                    include_dashboard=False,
+                    _metrics_export_port=args.metrics_port,
+                )
+                say(f"Ray cluster: {address} (this demo's, on 127.0.0.1 only; it stops with it)")
+            else:
+                address = cluster.connect(args.address)
+                say(f"Ray cluster: {address}")
+            _on_signals(_raise_stopped)  # after Ray's core replaced the SIGTERM handler
+            return _serve(args, config, address, say, err)
+        finally:
+            if local is not None:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C: the stop finishes
+                say("stopping the Ray cluster ...")
+                local.stop()
+
+
+def _serve(args: Any, config: CanaryConfig, address: str, say: Any, err: TextIO) -> int:
+    """Deploy, load, report, then wait (`--duration`, a signal)."""
+    from . import control
+    from .kernel_metrics import format_builds
+
+    t0 = time.monotonic()
+    say(f"deploying {config.name}: stock and custom arms of {config.model.source} ...")
+    control.deploy(config, wait_s=args.deploy_timeout)
+    say(f"deployed in {time.monotonic() - t0:.0f}s")
+    base = f"http://{config.http.host}:{config.http.port}"
+    with _stderr_as(err):
         records = asyncio.run(
             drive_load(
                 base, args.requests, args.concurrency, args.output_len, config.routing.pin_header
             )
         )
-        time.sleep(3.0)  # two report intervals of the ingress and the arms' metric bridges
-        st = control.status(config.name)
-        say("\nper-arm latency (this load):")
-        say(latency_table(records))
-        sh = st["shadow"]
-        mean = sh.get("agreement_mean_window")
-        say(
-            f"\nshadow agreement: {sh['compared']} mirrored requests compared, "
-            f"{sh['exact']} token-identical, mean agreement "
-            f"{'-' if mean is None else f'{mean:.3f}'}, max |logprob diff| "
-            f"{sh['max_logprob_diff']:.2e}"
-        )
-        say("\ncanary status (`fuselane canary status`):")
-        say(control.format_status(st))
-        say("\nper-kernel metrics (fuselane telemetry, from the arms' engines):")
-        say(control.format_kernel_metrics(st))
-        say(f"\nOpenAI API: {base}/v1   (models, completions, chat/completions)")
-        if own_cluster:
-            say(f"metrics:    http://127.0.0.1:{args.metrics_port}/metrics   (ray_fuselane_*)")
-        say(f"status:     {base}/canary/status")
-        if args.duration is not None and args.duration <= 0:
-            return 0
-        say(
-            "up until Ctrl-C"
-            + (f" or {args.duration:g}s" if args.duration is not None else "")
-            + "; meanwhile: `fuselane canary weight 0.5`, `fuselane canary status`"
-        )
-        deadline = math.inf if args.duration is None else time.monotonic() + args.duration
-        try:
-            while time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        except KeyboardInterrupt:
-            say("\nstopping ...")
+    time.sleep(3.0)  # two report intervals of the ingress and the arms' metric bridges
+    st = control.status(config.name)
+    say("\nper-arm latency (this load):")
+    say(latency_table(records))
+    sh = st["shadow"]
+    mean = sh.get("agreement_mean_window")
+    say(
+        f"\nshadow agreement: {sh['compared']} mirrored requests compared, "
+        f"{sh['exact']} token-identical, mean agreement "
+        f"{'-' if mean is None else f'{mean:.3f}'}, max |logprob diff| "
+        f"{sh['max_logprob_diff']:.2e}"
+    )
+    say("\ncanary status (`fuselane canary status`):")
+    say(control.format_status(st))
+    say(format_builds(st))
+    say("\nper-kernel metrics (fuselane telemetry, from the arms' engines):")
+    say(control.format_kernel_metrics(st))
+    say(f"\nOpenAI API: {base}/v1   (models, completions, chat/completions)")
+    if args.address is None:
+        say(f"metrics:    http://127.0.0.1:{args.metrics_port}/metrics   (ray_fuselane_*)")
+    say(f"status:     {base}/canary/status")
+    say(f"Ray:        {address}; for this cluster:")
+    for line in commands(address, config.name):
+        say(f"  {line}")
+    if args.duration is not None and args.duration <= 0:
         return 0
-    finally:
-        if own_cluster:
-            import ray
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
+    say(
+        "up until Ctrl-C or SIGTERM"
+        + (f" or {args.duration:g}s" if args.duration is not None else "")
+    )
+    deadline = math.inf if args.duration is None else time.monotonic() + args.duration
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    except DemoStopped as e:
+        say(f"\n{e.name}: stopping ...")
+    return 0

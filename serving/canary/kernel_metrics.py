@@ -6,6 +6,10 @@ arm replica gives its engine a fresh `PROMETHEUS_MULTIPROC_DIR` before starting 
 directory double-counts: docs/notes/telemetry.md), so those metrics land in files that the replica
 reads here (`read_samples`) and mirrors into Ray's export (`RayMirror`), with an `arm` label.
 
+The engine's `fuselane_build_info` (value 1, the build as labels: plugin/build_info.py) comes
+along with the rest: the monitor reads each arm's builds from it (`builds`), for the status, the
+dashboard (through the mirror) and the rollback record.
+
 Mirroring: counters stay counters (Ray is given the increments); gauges, and every series of
 a histogram (`_bucket` with its `le` label, `_count`, `_sum`), become gauges holding the
 engine's cumulative values, on which PromQL's `rate()` and `histogram_quantile()` work as on
@@ -17,11 +21,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 PREFIX = "fuselane_"
+BUILD_INFO = "fuselane_build_info"
 # Set by the replica for its engine; an operator's own value is left alone (and not wiped).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -113,6 +119,58 @@ def summary(samples: Iterable[Sample]) -> list[dict[str, Any]]:
         for s in samples
         if not s.name.endswith("_bucket")
     ]
+
+
+def builds(samples: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The builds in a replica's `summary` (the labels of its `fuselane_build_info` at 1)."""
+    return [dict(s["labels"]) for s in samples if s["name"] == BUILD_INFO and s["value"] > 0]
+
+
+def arm_builds(
+    reports: Mapping[str, Mapping[str, Any]], now: float, fresh_s: float
+) -> dict[str, list[dict[str, Any]]]:
+    """Per arm, the builds of its replicas' reports (`{replica: {arm, samples, at}}`, as the
+    monitor keeps them) no older than `fresh_s` at `now`, with their replica counts, most
+    replicas first: `{"custom": [{"build": labels, "replicas": 2}, ...], "stock": []}`. An older
+    report is a replica that is gone (restarted, redeployed): its build is no longer the arm's."""
+    count: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+    for rep in reports.values():
+        if now - rep["at"] <= fresh_s:
+            for labels in builds(rep["samples"]):
+                count[(rep["arm"], tuple(sorted(labels.items())))] += 1
+    return {
+        arm: [
+            {"build": dict(labels), "replicas": n}
+            for (a, labels), n in count.most_common()
+            if a == arm
+        ]
+        for arm in ("stock", "custom")
+    }
+
+
+def build_id(labels: Mapping[str, str] | None) -> str:
+    """A build in a few characters, `VERSION/KERNEL_HASH` (what a metric label can carry: one
+    value per build rolled out, never per request); "unknown" without build info."""
+    if not labels:
+        return "unknown"
+    return f"{labels.get('version', '?')}/{labels.get('kernels', '?')}"
+
+
+def format_builds(st: Mapping[str, Any]) -> str:
+    """The status's builds per arm (`CanaryMonitor.status`), one line each, for the CLI."""
+    from fuselane.plugin.build_info import describe
+
+    lines = ["builds (the arms' engines' fuselane_build_info):"]
+    for arm in ("stock", "custom"):
+        found = (st.get("builds") or {}).get(arm) or []
+        if not found:
+            lines.append(f"  {arm:<7} none reported (no fuselane kernels, or telemetry off)")
+        for b in found:
+            n = b["replicas"]
+            lines.append(f"  {arm:<7} {describe(b['build'])}, {n} replica{'s' * (n != 1)}")
+    for r in (st.get("rollbacks") or [])[-1:]:
+        lines.append(f"  last rollback: from custom build {r.get('build', 'unknown')}")
+    return "\n".join(lines)
 
 
 class RayMirror:

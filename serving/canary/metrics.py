@@ -4,7 +4,8 @@ Names follow fuselane's convention, `fuselane_canary_<thing>_<unit>`, counters e
 `_total`; Ray's exporter prefixes every application metric with `ray_` (so Prometheus sees
 `ray_fuselane_canary_requests_total`) and adds its own labels (node, worker). Our labels are
 bounded: `arm` (stock, custom), `result` (ok, error, client_error), `reason` (the rollback
-reasons, or the failover causes: timeout, unavailable, error, cooldown, rollback, weight_zero).
+reasons, or the failover causes: timeout, unavailable, error, cooldown, rollback, weight_zero),
+`build` (the custom build a rollback rolled back from: one value per build rolled out).
 
 Objects are made in a replica's constructor, never at import (`ray.util.metrics` needs a
 connected Ray worker).
@@ -102,8 +103,9 @@ class MonitorMetrics:
         )
         self.rollbacks = Counter(
             "fuselane_canary_rollbacks_total",
-            description="Automatic rollbacks of the custom arm, by reason.",
-            tag_keys=("reason",),
+            description="Automatic rollbacks of the custom arm, by reason and the custom build "
+            "rolled back from (VERSION/KERNEL_HASH).",
+            tag_keys=("reason", "build"),
         )
         self.agreement = Gauge(
             "fuselane_canary_shadow_agreement_mean_ratio",

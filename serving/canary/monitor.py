@@ -9,22 +9,33 @@ A rollback holds until an operator acts: a `user_config` with a higher `epoch` (
 `fuselane canary weight W` sends). Replica restarts re-send the same epoch and change nothing.
 The rules' windows are `rollback.RollbackJudge`'s, on this replica's monotonic clock (the time
 a report arrives: at most one report interval after the request ended).
+
+The arms' builds come with the replicas' kernel metrics (`fuselane_build_info`); a rollback
+names the custom build it rolled back from, in its record, its log line and the `build` label
+of `fuselane_canary_rollbacks_total`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from typing import Any
 
 from ray import serve
 
+from . import kernel_metrics as km
 from .config import CanaryConfig
 from .metrics import MonitorMetrics
 from .rollback import Outcome, RollbackJudge
 from .shadow import PairResult
 
 LATENCY_SAMPLES = 2000  # per arm, for the status table's percentiles
+# A replica whose last kernel-metrics report is older is gone (restarted, redeployed): its build
+# is no longer the arm's. Replicas report every 2 s (engine.KERNEL_METRICS_INTERVAL_S).
+BUILD_FRESH_S = 60.0
+
+logger = logging.getLogger("ray.serve")
 
 
 def _percentile(values: list[float], p: float) -> float | None:
@@ -159,16 +170,33 @@ class CanaryMonitor:
         if self.rollback is None and self.weight > 0:
             breach = self.judge.judge()
             if breach is not None:
+                custom = self.builds()["custom"]
+                build = custom[0]["build"] if custom else None  # the most replicas' build
                 self.rollback = {
                     "reason": breach.reason,
                     "detail": breach.detail,
                     "at": time.time(),
                     "weight_before": self.weight,
                     "epoch": self.epoch,
+                    "build": km.build_id(build),
+                    "build_info": build,
                 }
                 self.history.append(dict(self.rollback))
-                self.metrics.rollbacks.inc(1, tags={"reason": breach.reason})
+                self.metrics.rollbacks.inc(
+                    1, tags={"reason": breach.reason, "build": km.build_id(build)}
+                )
+                logger.warning(
+                    "fuselane canary %s: custom arm rolled back from build %s: %s: %s",
+                    self.config.name,
+                    km.build_id(build),
+                    breach.reason,
+                    breach.detail,
+                )
         self._publish()
+
+    def builds(self) -> dict[str, list[dict[str, Any]]]:
+        """Per arm, the builds its live replicas report, most replicas first."""
+        return km.arm_builds(self.kernel_samples, time.time(), BUILD_FRESH_S)
 
     # -- status ----------------------------------------------------------------------------
 
@@ -217,5 +245,6 @@ class CanaryMonitor:
                 },
             },
             "kernel_metrics": self.kernel_samples,
+            "builds": self.builds(),
             "uptime_s": time.time() - self.started,
         }

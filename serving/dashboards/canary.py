@@ -6,7 +6,8 @@ Everything comes through Ray's metrics export (every name prefixed `ray_`):
   comparisons, weight, rollbacks — recorded by the ingress and monitor replicas;
 - vLLM's engine metrics of each arm (Ray Serve LLM's `log_engine_metrics`: `ray_vllm_*`, with
   `model_name` and the replica's `WorkerId`, but no arm);
-- fuselane's kernel metrics of the custom arm (`ray_fuselane_*{arm="custom"}`).
+- fuselane's kernel metrics of the custom arm (`ray_fuselane_*{arm="custom"}`), its build
+  (`ray_fuselane_build_info`) included.
 
 Ray's labels say which worker process recorded a value, not which Serve application; Ray
 Serve's own `ray_serve_replica_processing_queries` maps each replica's `WorkerId` to its
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fuselane.plugin.build_info import LABELS as BUILD_LABELS
+
 from .common import (
     Query,
     Row,
@@ -28,6 +31,7 @@ from .common import (
     datasource_variable,
     panel_link_to_vllm,
     query_variable,
+    table,
     timeseries,
     url_link,
     vllm_links,
@@ -114,6 +118,7 @@ def _traffic_row() -> Row:
     ok_by_arm = in_app(rate(f'{requests}{{arm=~"$arm", result="ok"}}'))
     ok_all = in_app(rate(f'{requests}{{result="ok"}}'))
     failed = f'{requests}{{arm=~"$arm", result="error"}}'
+    streams_cut = 'ray_fuselane_canary_streams_cut_total{arm=~"$arm"}'
     errors = in_app(rate(failed))
     attempts = in_app(rate(f'{requests}{{arm=~"$arm"}}'))
     return Row(
@@ -164,6 +169,20 @@ def _traffic_row() -> Row:
                 "Errors by arm",
                 _since_start("Attempts that failed on the server side, by arm,"),
                 [Query(f"sum by (arm) ({in_app(failed)})", "{{arm}}")],
+                unit="short",
+            ),
+            timeseries(
+                "Streams cut by arm",
+                _since_start(
+                    "Streams that failed after their first chunk (the client got an error event "
+                    "and no [DONE]; each also counts among the errors), by arm,"
+                ),
+                [
+                    Query(
+                        f"sum by (arm) ({in_app(streams_cut)})",
+                        "{{arm}}",
+                    )
+                ],
                 unit="short",
             ),
             timeseries(
@@ -314,24 +333,25 @@ def _shadow_row() -> Row:
 
 def _rollback_row() -> Row:
     failed = 'ray_fuselane_numerical_checks_total{arm="custom", result!="pass"}'
+    build = 'ray_fuselane_build_info{arm=~"$arm"}'
     return Row(
-        "Rollbacks",
+        "Rollbacks and builds",
         [
             timeseries(
-                "Rollbacks by reason",
+                "Rollbacks by reason and build",
                 _since_start(
                     "Automatic rollbacks of the custom arm, by the threshold crossed (error "
-                    "rate, latency ratio, shadow agreement, failed numerical checks),"
+                    "rate, latency ratio, shadow agreement, failed numerical checks) and the "
+                    "custom build rolled back from (version/kernel-source hash),"
                 )
                 + " `fuselane canary weight W` clears a rollback.",
                 [
                     Query(
-                        f"sum by (reason) ({in_app('ray_fuselane_canary_rollbacks_total')})",
-                        "{{reason}}",
+                        f"sum by (reason, build) ({in_app('ray_fuselane_canary_rollbacks_total')})",
+                        "{{reason}} from {{build}}",
                     )
                 ],
                 unit="short",
-                width=12,
             ),
             timeseries(
                 "Custom arm: failed numerical checks per second",
@@ -339,8 +359,19 @@ def _rollback_row() -> Row:
                 "rollback signals). The kernels dashboard has the full telemetry.",
                 [Query(f"sum by (kernel) ({in_app(rate(failed))})", "{{kernel}}")],
                 unit="ops",
-                width=12,
                 links=[url_link("fuselane kernels", "/d/fuselane-kernels", "kernel telemetry")],
+            ),
+            table(
+                "Build per arm",
+                "The fuselane build each arm's engines run now (fuselane_build_info: version, "
+                "kernel-source hash, Triton, torch, vLLM, CUDA), one row per build: two rows "
+                "for an arm in the middle of a rollout. An arm without fuselane's kernels or "
+                "telemetry reports none.",
+                Query(
+                    f"max by (arm, {', '.join(BUILD_LABELS)}) ({in_app(build)})",
+                    "{{arm}}",
+                ),
+                hide=("Time", "Value"),
             ),
         ],
     )

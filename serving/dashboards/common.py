@@ -17,6 +17,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import heatmap as hm
 from grafana_foundation_sdk.builders import prometheus as prom
 from grafana_foundation_sdk.builders import stat as st
+from grafana_foundation_sdk.builders import table as tb
 from grafana_foundation_sdk.builders import timeseries as ts
 from grafana_foundation_sdk.builders.common import StackingConfig
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -25,6 +26,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
+    DataTransformerConfig,
     VariableOption,
     VariableRefresh,
     VariableSort,
@@ -99,18 +101,12 @@ def _all() -> VariableOption:
     return VariableOption(selected=True, text=["All"], value=["$__all"])
 
 
-def target(query: Query, index: int, *, heatmap: bool = False) -> prom.Dataquery:
-    t = (
-        prom.Dataquery()
-        .expr(query.expr)
-        .legend_format(query.legend)
-        .ref_id(REF_IDS[index])
-        .datasource(DATASOURCE)
-        .range()
-    )
-    if heatmap:
-        t = t.format(PromQueryFormat.HEATMAP)
-    return t
+def target(query: Query, index: int, *, fmt: PromQueryFormat | None = None) -> prom.Dataquery:
+    t = prom.Dataquery().expr(query.expr).legend_format(query.legend).ref_id(REF_IDS[index])
+    t = t.datasource(DATASOURCE)
+    # A table shows the series as they are now; the other panels, over the time range.
+    t = t.instant() if fmt == PromQueryFormat.TABLE else t.range()
+    return t if fmt is None else t.format(fmt)
 
 
 def timeseries(
@@ -174,7 +170,27 @@ def heatmap(title: str, description: str, query: Query, *, unit: str, width: int
         .height(8)
         .calculate(False)
         .y_axis(hm.YAxisConfig().unit(unit))
-        .targets([target(query, 0, heatmap=True)])
+        .targets([target(query, 0, fmt=PromQueryFormat.HEATMAP)])
+    )
+
+
+def table(
+    title: str, description: str, query: Query, *, hide: Sequence[str], width: int = 8
+) -> tb.Panel:
+    """One row per series of an instant query, a column per label (`hide`: columns left out,
+    Grafana's `Time` and `Value` for an info metric)."""
+    organize = DataTransformerConfig(
+        id_val="organize", options={"excludeByName": dict.fromkeys(hide, True)}
+    )
+    return (
+        tb.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .span(width)
+        .height(8)
+        .targets([target(query, 0, fmt=PromQueryFormat.TABLE)])
+        .transformations([organize])
     )
 
 

@@ -10,9 +10,12 @@ queries to the Prometheus that scraped it (`panels.assert_panels_return_data`):
   (rollback);
 - `canary-fault`: tests/serving/test_canary_fault.py — the custom arm runs fuselane's attention
   and KV write with the test-only fault switch on attention and telemetry checking every call
-  (failed checks, mismatches, rollback); `ray_fuselane_*` through Ray.
+  (failed checks, mismatches, rollback); `ray_fuselane_*` through Ray;
+- `demo`: tests/serving/test_demo.py (`-m extended`) — `fuselane demo` (the CPU config:
+  fuselane's kernels interpreted in the custom arm, telemetry on, shadowing), then a stream cut
+  by killing the custom replica, requests failed over to stock meanwhile, and a rollback.
 
-Both canary runs are checked under a steady load (tests/serving/conftest.py `steady_load`), as
+The canary runs are checked under a steady load (tests/serving/conftest.py `steady_load`), as
 dashboards are read in production: their events come in bursts of seconds (the rollback, the
 killed replica), too few scrapes for rate(). After the fault run's rollback the stock arm
 answers that load and shadow copies still reach the custom arm.
@@ -30,11 +33,13 @@ RUNS: dict[str, tuple[str, ...]] = {
     "vllm-server": (KERNELS,),
     "canary": (CANARY,),
     "canary-fault": (KERNELS, CANARY),
+    "demo": (CANARY,),
 }
 
 _CORRECT = "the kernels are correct here: no check fails"
 _NO_ERRORS = "a corrupted kernel answers wrongly, not with errors"
 _TIMED = "too few timed calls (FUSELANE_TELEMETRY_TIMING_RATE at its default, 0.01)"
+_NO_CUT = "no stream fails after its first chunk here (the demo run cuts one)"
 NOT_REQUIRED: dict[str, dict[str, dict[str, str]]] = {
     "vllm-server": {
         KERNELS: {
@@ -45,6 +50,8 @@ NOT_REQUIRED: dict[str, dict[str, dict[str, str]]] = {
         CANARY: {
             "Custom arm: failed numerical checks per second": "both arms run vLLM's kernels "
             "(FUSELANE_CANARY_TEST_KERNELS=none): no fuselane checks",
+            "Build per arm": "both arms run vLLM's kernels, telemetry off: no fuselane build",
+            "Streams cut by arm": _NO_CUT,
         },
     },
     "canary-fault": {
@@ -61,6 +68,14 @@ NOT_REQUIRED: dict[str, dict[str, dict[str, str]]] = {
             "Error rate by arm": _NO_ERRORS,
             "Errors by arm": _NO_ERRORS,
             "Failovers by reason": "no replica fails",
+            "Streams cut by arm": _NO_CUT,
+        },
+    },
+    "demo": {
+        CANARY: {
+            "Custom arm: failed numerical checks per second": _CORRECT,
+            "Error rate by arm": "one cut stream: the error series starts at its only "
+            "increment, which rate() cannot see (the canary run's killed burst fills it)",
         },
     },
 }

@@ -42,15 +42,17 @@ def test_rule_windows_age_out():
 
 
 class _Metrics:
-    """MonitorMetrics without Ray: records the rollbacks."""
+    """MonitorMetrics without Ray: records the rollbacks (their reasons; `tags`: every label)."""
 
     def __init__(self) -> None:
         self.rolled: list[str] = []
+        self.tags: list[dict[str, str]] = []
         outer = self
 
         class _Counter:
             def inc(self, value: float, tags: dict) -> None:
                 outer.rolled.append(tags["reason"])
+                outer.tags.append(dict(tags))
 
         class _Gauge:
             def set(self, value: float) -> None:
