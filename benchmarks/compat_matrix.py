@@ -8,7 +8,8 @@ Each results file under benchmarks/results/ becomes one or more rows: the config
 was checked (tests passed, benchmark goals, end-to-end verdict). A field the file does not
 record is written "not recorded": the document states what the evidence shows, never what the
 code would probably have done. Files of the three kinds read here: kernel test matrices
-(`benchmarks/triton_matrix.py`), kernel benchmarks (`benchmarks/kernels/`), end-to-end runs
+(`benchmarks/triton_matrix.py`), kernel fuzzing (`benchmarks/fuzz/`), vLLM's own backend tests
+(`benchmarks/vllm_backend_tests/`), kernel benchmarks (`benchmarks/kernels/`), end-to-end runs
 (`benchmarks/e2e/run_e2e.py`); other results files are listed by name.
 """
 
@@ -322,10 +323,105 @@ def _e2e_checked(data: dict[str, Any], arm: str) -> str:
     return "e2e: " + ("; ".join(parts) if parts else "no workload ratios or verdict recorded")
 
 
+# What a fuzz profile's fields say, per family: (KV dtype, head size, features) of one profile.
+def _fuzz_profile(family: str, profile: dict[str, Any]) -> tuple[str, str, list[str]]:
+    if family == "attention":
+        kv = "fp8_e4m3" if profile.get("kv") == "fp8" else str(profile.get("q_dtype"))
+        features = [f"window {profile['window']}" if profile.get("window") else "no window"]
+        features += ["soft cap" if profile.get("softcap") else "no soft cap"]
+        features += ["sinks" if profile.get("sinks") else "no sinks"]
+        return kv, str(profile.get("head_size")), features
+    if family == "kv_cache":
+        kv = "fp8_e4m3" if profile.get("cache") == "fp8" else str(profile.get("dtype"))
+        op = "fused RoPE + KV write" if profile.get("op") == "rope" else "KV write"
+        return kv, str(profile.get("head_size")), [op]
+    return "", "", [f"logits {profile.get('dtype')}"]
+
+
+def fuzz_rows(name: str, data: dict[str, Any]) -> list[Row]:
+    """One row per kernel family of a fuzz run (`benchmarks/fuzz/`): the profiles it drew, the
+    cases checked against the reference and, where the file has them, the sanitizer runs."""
+    out = []
+    for family, run in sorted(data.get("fuzz", {}).items()):
+        fam = run.get("families", {}).get(family, {})
+        kv, heads, features = [], [], []
+        for profile in fam.get("profiles", []):
+            k, h, f = _fuzz_profile(family, profile)
+            kv.append(k)
+            heads.append(h)
+            features += f
+        checked = (
+            f"fuzz seed {fam.get('seed')}: {fam.get('cases_run')} cases, {fam.get('passed')} "
+            f"matched the reference, {sum(r['count'] for r in fam.get('refused', {}).values())} "
+            f"refused as designed, {fam.get('mismatched_count')} mismatched, "
+            f"{fam.get('errors_count')} errors"
+        )
+        for tool in ("memcheck", "racecheck"):
+            summary = data.get(tool, {}).get(family, {}).get("summary")
+            if summary:
+                checked += f"; compute-sanitizer {tool}: {summary[-1]}"
+        versions = data.get("versions", {})
+        out.append(
+            Row(
+                kind="tests",
+                source=name,
+                gpu=_unique([run.get("device")]),
+                triton=_unique([versions.get("triton")]),
+                vllm=(NO_VLLM,),
+                model_dtype=(),
+                kv_dtype=_unique(sorted(set(kv))),
+                head_size=_unique(sorted(set(heads), key=lambda h: int(h) if h else 0)),
+                features=_unique(sorted(set(features))),
+                kernel=(f"{family} (fuselane)",),
+                checked=checked,
+            )
+        )
+    return out
+
+
+def backend_test_rows(name: str, data: dict[str, Any]) -> list[Row]:
+    """One row for a run of vLLM's attention-backend tests with fuselane's backend added: the
+    models' geometry the tests build and what fuselane passed or refused through vLLM's
+    validation."""
+    env = data.get("environment", {})
+    models = data.get("models", {}).values()
+    ours = data.get("fuselane", {})
+    refused = sum(len(r.get("tests", [])) for r in ours.get("refused", []))
+    reasons = sorted(
+        {part for r in ours.get("refused", []) for part in r.get("reasons", "").split("; ")}
+    )
+    checked = (
+        f"vLLM's test_attention_backends.py: {ours.get('passed')} of {ours.get('ran')} passed, "
+        f"{len(ours.get('failures', []))} failed, {refused} refused through vLLM's validation"
+    )
+    if reasons:
+        checked += f" ({'; '.join(reasons)})"
+    features = [f"window {m['sliding_window']}" for m in models if m.get("sliding_window")]
+    return [
+        Row(
+            kind="tests",
+            source=name,
+            gpu=_unique([env.get("device")]),
+            triton=_unique([env.get("triton")]),
+            vllm=_unique([env.get("vllm")]),
+            model_dtype=_unique(m.get("torch_dtype") for m in models),
+            kv_dtype=(),
+            head_size=_unique(m.get("head_dim") for m in models),
+            features=_unique(features),
+            kernel=(f"attention backend ({env.get('fuselane_kernels', NOT_RECORDED)})",),
+            checked=checked,
+        )
+    ]
+
+
 def rows_for(name: str, data: dict[str, Any]) -> list[Row] | None:
     """The rows of one results file, or None for a file of another kind."""
     if data.get("schema", "").startswith("fuselane-e2e/"):
         return e2e_rows(name, data)
+    if data.get("kind") == "kernel-fuzz-and-sanitizers":
+        return fuzz_rows(name, data)
+    if data.get("kind") == "vllm-backend-tests":
+        return backend_test_rows(name, data)
     benchmark = data.get("benchmark")
     if benchmark == "triton_matrix":
         return matrix_rows(name, data)

@@ -152,3 +152,64 @@ def test_check_fails_on_a_stale_document_and_passes_on_a_fresh_one(tmp_path, cap
     assert "python -m fuselane.benchmarks.compat_matrix" in capsys.readouterr().err
     assert compat_matrix.main(args) == 0
     assert compat_matrix.main([*args, "--check"]) == 0
+
+
+def test_fuzz_and_backend_test_files_become_test_rows():
+    fuzz = {
+        "kind": "kernel-fuzz-and-sanitizers",
+        "versions": {"triton": "3.9.0"},
+        "fuzz": {
+            "attention": {
+                "device": "GPU-D",
+                "families": {
+                    "attention": {
+                        "seed": 7,
+                        "profiles": [
+                            {"kv": "fp8", "q_dtype": "float16", "head_size": 256,
+                             "window": 128, "softcap": True, "sinks": False},
+                            {"kv": "same", "q_dtype": "bfloat16", "head_size": 64,
+                             "window": None, "softcap": False, "sinks": True},
+                        ],
+                        "cases_run": 10, "passed": 8, "mismatched_count": 1, "errors_count": 0,
+                        "refused": {"scale": {"count": 1}},
+                    }
+                },
+            }
+        },
+        "racecheck": {"attention": {"summary": ["RACECHECK SUMMARY: 2 hazards displayed"]}},
+    }  # fmt: skip
+    (row,) = compat_matrix.rows_for("fuzz-x.json", fuzz)
+    assert (row.kind, row.gpu, row.triton, row.vllm) == (
+        "tests",
+        ("GPU-D",),
+        ("3.9.0",),
+        (compat_matrix.NO_VLLM,),
+    )
+    assert row.kv_dtype == ("bfloat16", "fp8_e4m3") and row.head_size == ("64", "256")
+    assert set(row.features) == {"window 128", "no window", "soft cap", "no soft cap", "sinks",
+                                 "no sinks"}  # fmt: skip
+    assert row.checked == (
+        "fuzz seed 7: 10 cases, 8 matched the reference, 1 refused as designed, 1 mismatched, "
+        "0 errors; compute-sanitizer racecheck: RACECHECK SUMMARY: 2 hazards displayed"
+    )
+
+    backend = {
+        "kind": "vllm-backend-tests",
+        "environment": {"device": "GPU-E", "triton": "3.6.0", "vllm": "0.26.0",
+                        "fuselane_kernels": "attention,kv_cache"},
+        "models": {"m": {"torch_dtype": "bfloat16", "head_dim": 128, "sliding_window": 512}},
+        "fuselane": {"ran": 3, "passed": 2, "failures": [{}],
+                     "refused": [{"reasons": "a; b", "tests": ["t1"]},
+                                 {"reasons": "b", "tests": ["t2"]}]},
+    }  # fmt: skip
+    (row,) = compat_matrix.rows_for("backend-x.json", backend)
+    assert (row.gpu, row.vllm, row.head_size, row.features) == (
+        ("GPU-E",),
+        ("0.26.0",),
+        ("128",),
+        ("window 512",),
+    )
+    assert row.checked == (
+        "vLLM's test_attention_backends.py: 2 of 3 passed, 1 failed, 2 refused through vLLM's "
+        "validation (a; b)"
+    )
