@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 from .config import (
     ENV_VAR,
+    HOPPER_ENV_VAR,
     FuselaneConfigError,
     KernelSelection,
     check_indices_from_env,
+    hopper_kernels_from_env,
     interpreter_problem,
     kernels_from_env,
 )
@@ -45,6 +47,7 @@ def register() -> None:
     global _selection
     selection = kernels_from_env()  # raises FuselaneConfigError, stopping vLLM's start-up
     check_indices = check_indices_from_env()  # likewise
+    hopper = hopper_kernels_from_env()  # likewise
     if _selection is not None:
         return
     # Without a GPU the kernels run under Triton's interpreter. Choosing it here sets
@@ -71,6 +74,14 @@ def register() -> None:
     )
     if problem is not None:
         raise FuselaneConfigError(problem)
+    if not hopper:
+        # Whatever FUSELANE_KERNELS says: `--attention-backend CUSTOM` runs the attention
+        # kernels too. Triton is imported under the interpreter choice made above; the
+        # backend's warm-up logs the switch once per process.
+        from fuselane.kernels import attention as attn_kernels
+
+        attn_kernels.disable_hopper_kernels(f"{HOPPER_ENV_VAR}=0")
+        _undo.append(attn_kernels.enable_hopper_kernels)
 
     # Validates FUSELANE_TELEMETRY* / FUSELANE_FAULT_INJECT (a bad value stops the start, like a
     # bad FUSELANE_KERNELS) and, with telemetry on and a GPU, hooks CUDA-graph capture/replay

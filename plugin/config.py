@@ -173,6 +173,31 @@ def check_indices_from_env(environ: Mapping[str, str] | None = None) -> bool:
     return parse_check_indices(env.get(CHECK_INDICES_ENV_VAR))
 
 
+HOPPER_ENV_VAR = "FUSELANE_HOPPER_KERNELS"
+
+
+def parse_hopper_kernels(value: str | None) -> bool:
+    """FUSELANE_HOPPER_KERNELS: "0" keeps the Hopper (sm_90) warp-specialized attention kernels
+    out of this process, so that fuselane's Triton attention kernels run every batch (the
+    operator's switch for triage: the rest of fuselane stays as selected); "1" or unset: on
+    where they apply."""
+    raw = (value or "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    raise FuselaneConfigError(
+        f"{HOPPER_ENV_VAR}={value!r}: expected 0 (Triton kernels only) or 1 (the Hopper kernels "
+        "where they apply, the default)",
+        HOPPER_ENV_VAR,
+    )
+
+
+def hopper_kernels_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return parse_hopper_kernels(env.get(HOPPER_ENV_VAR))
+
+
 INTERPRET_ENV_VAR = "TRITON_INTERPRET"
 INTERPRET_FIX = f"export {INTERPRET_ENV_VAR}=1 before starting vLLM"
 

@@ -68,10 +68,16 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
     print(f"deploying {config.name} (stock, custom, ingress) ...", flush=True)
     try:
-        control.deploy(config, wait_s=0 if args.no_wait else args.timeout)
+        weight_line = control.deploy(
+            config,
+            wait_s=0 if args.no_wait else args.timeout,
+            weight_from_file=args.weight_from_file,
+        )
     except control.CanaryControlError as e:
         return _fail(str(e))
-    print(f"{config.name} is running: http://{config.http.host}:{config.http.port}/v1")
+    print(weight_line)
+    state = "applied" if args.no_wait else "is running"
+    print(f"{config.name} {state}: http://{config.http.host}:{config.http.port}/v1")
     return 0
 
 
@@ -170,6 +176,13 @@ def add_parser(subparsers: Any) -> None:
     _common(d, app=False)
     d.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for RUNNING")
     d.add_argument("--no-wait", action="store_true", help="return once the config is applied")
+    d.add_argument(
+        "--weight-from-file",
+        action="store_true",
+        help="use the file's routing.weight and shadow.fraction on a canary already running "
+        "(by default a redeploy keeps the live ones, which `fuselane canary weight` may have "
+        "changed)",
+    )
     d.add_argument(
         "--remote-model",
         action="store_true",

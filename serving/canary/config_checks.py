@@ -28,10 +28,12 @@ import yaml
 from fuselane.plugin.config import (
     CHECK_INDICES_ENV_VAR,
     FAULT_INJECT_ENV_VAR,
+    HOPPER_ENV_VAR,
     FuselaneConfigError,
     is_loopback,
     parse_check_indices,
     parse_fault_inject,
+    parse_hopper_kernels,
     parse_kernels,
 )
 from fuselane.plugin.config import ENV_VAR as KERNELS_ENV
@@ -147,6 +149,10 @@ def _arm_env_errors(config: CanaryConfig, arm: str) -> list[str]:
         bad(e)
     try:
         parse_check_indices(env.get(CHECK_INDICES_ENV_VAR))
+    except FuselaneConfigError as e:
+        bad(e)
+    try:
+        parse_hopper_kernels(env.get(HOPPER_ENV_VAR))
     except FuselaneConfigError as e:
         bad(e)
     try:

@@ -51,25 +51,64 @@ def _apply(client: Any, apps: list[dict[str, Any]], http: dict[str, Any]) -> Non
     client.deploy_apps(schema)
 
 
-def deploy(config: CanaryConfig, *, wait_s: float = 900.0, poll_s: float = 2.0) -> None:
+def deploy_user_config(
+    config: CanaryConfig, live: dict[str, Any] | None, *, weight_from_file: bool = False
+) -> tuple[dict[str, Any], str]:
+    """The ingress's user_config for a deploy, and a line saying which weight it uses.
+
+    A redeploy keeps the running canary's weight and shadow fraction (an operator may have moved
+    them with `fuselane canary weight` since the file was written) unless `weight_from_file`;
+    the epoch is always the live one: redeploying is not the operator's acknowledgement of a
+    rollback (`fuselane canary weight` is)."""
+    from_file = config.user_config()
+    if live is None:
+        return from_file, f"weight {from_file['weight']:g} (from the file: a new deployment)"
+    chosen = (
+        dict(from_file)
+        if weight_from_file
+        else dict(from_file)
+        | {
+            "weight": float(live.get("weight", from_file["weight"])),
+            "shadow_fraction": float(live.get("shadow_fraction", from_file["shadow_fraction"])),
+        }
+    )
+    chosen["epoch"] = int(live.get("epoch", 0))
+    if weight_from_file:
+        note = f"from the file, as asked; the running canary had {live.get('weight', 0.0):g}"
+    else:
+        note = f"kept from the running canary; the file says {from_file['weight']:g}, "
+        note += "--weight-from-file applies it"
+    return (
+        chosen,
+        f"weight {chosen['weight']:g}, shadow fraction {chosen['shadow_fraction']:g} ({note})",
+    )
+
+
+def deploy(
+    config: CanaryConfig,
+    *,
+    wait_s: float = 900.0,
+    poll_s: float = 2.0,
+    weight_from_file: bool = False,
+) -> str:
     """Start Serve's HTTP proxy on the config's host/port if needed, apply the app, wait until
     it is RUNNING (raise CanaryControlError with Serve's message if it fails or times out).
+    Returns the line saying which weight the deployment uses (`deploy_user_config`).
 
     An app whose update fails gets its previous config back: Serve stops an arm's old replicas
     before it starts the new ones (a one-replica arm has none left), so without it the arm
     would stay down until the next deploy. The error says whether the previous one runs again."""
     http = {"host": config.http.host, "port": config.http.port}
     client = _client(http)
-    epoch = 0
+    live = None
     try:
-        # The file's weight applies, under the live epoch: redeploying is not the operator's
-        # acknowledgement of a rollback (`fuselane canary weight` is).
-        epoch = int(current_user_config(config.name)[1].get("epoch", 0))
+        live = current_user_config(config.name)[1]
     except CanaryControlError:
         pass
+    user_config, weight_line = deploy_user_config(config, live, weight_from_file=weight_from_file)
     apps = _declarative_apps(client, skip=_names(config))
     previous = {a["name"]: a for a in _declarative_apps(client) if a["name"] in _names(config)}
-    _apply(client, [*apps, *serve_apps(config, config.user_config(epoch))], http)
+    _apply(client, [*apps, *serve_apps(config, user_config)], http)
     if wait_s > 0:
         try:
             for name in _names(config):
@@ -77,6 +116,7 @@ def deploy(config: CanaryConfig, *, wait_s: float = 900.0, poll_s: float = 2.0) 
         except DeployFailed as e:
             restored = _restore(previous.get(e.app), e.app, http, wait_s)
             raise DeployFailed(e.app, f"{e}\n{restored}") from None
+    return weight_line
 
 
 class DeployFailed(CanaryControlError):

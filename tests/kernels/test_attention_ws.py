@@ -315,6 +315,24 @@ def test_without_gluon_the_triton_kernels_run(monkeypatch):
         run_case(batch, workspace=ws, plan=ws_plan(batch, ws))
 
 
+def test_the_operator_switch_keeps_the_triton_kernels(monkeypatch):
+    """FUSELANE_HOPPER_KERNELS=0 (the plugin then calls `disable_hopper_kernels`): the rule
+    plans the Triton kernels for a batch the Hopper kernels would take, their results match
+    the reference, and a plan naming a Hopper kernel is refused with the switch named."""
+    case = WS_CASES[4]
+    batch = ws_batch(case)
+    args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
+    options = dict(sliding_window=0, softcap=0.0, has_sinks=False)
+    assert attn.warp_specialized_ok(**args, **options) is HOPPER  # on where they apply
+    monkeypatch.setattr(attn.hopper, "_hopper_off", attn.hopper_kernels_off())  # undone after
+    attn.disable_hopper_kernels("FUSELANE_HOPPER_KERNELS=0")
+    assert not attn.warp_specialized_ok(**args, **options)
+    ws = workspace(case[0], case[2])
+    run_case(batch, workspace=ws)  # the rule's plan: Triton kernels, checked against the reference
+    with pytest.raises(ValueError, match=r"off in this process: FUSELANE_HOPPER_KERNELS=0"):
+        run_case(batch, workspace=ws, plan=ws_plan(batch, ws))
+
+
 @pytest.mark.parametrize("which", ["prefill", "decode"])
 def test_launchers_bind_every_kernel_argument(monkeypatch, which):
     """The launchers' argument lists against the kernels' signatures (runs on the CPU, where the

@@ -267,7 +267,10 @@ def test_custom_arm_that_disagrees_is_rolled_back(canary):
     )
     stock_before = _complete(canary["client"], headers={"x-fuselane-arm": "stock"})
     assert stock_before.status_code == 200
-    control.deploy(cfg, wait_s=420)
+    _set(0.4)  # an operator's weight since the file (routing.weight 0.25) was deployed
+    line = control.deploy(cfg, wait_s=420)
+    assert "weight 0.4" in line and "kept from the running canary" in line, line
+    assert control.status(APP)["operator_weight"] == 0.4
     _set(0.5, shadow_fraction=1.0)  # the operator's action: clears any rollback
     assert not control.status(APP)["rolled_back"]
     c = canary["client"]
@@ -298,6 +301,15 @@ def test_custom_arm_that_disagrees_is_rolled_back(canary):
         time.sleep(2)
     lines = [ln for ln in text.splitlines() if ln.startswith("ray_fuselane_canary_rollbacks_total")]
     assert any('reason="agreement"' in ln for ln in lines), lines
+    # Redeploying with the file's weight is not an acknowledgement: the rollback stays.
+    line = control.deploy(cfg, wait_s=420, weight_from_file=True)
+    assert "weight 0.25" in line and "from the file, as asked" in line, line
+    deadline = time.monotonic() + 30  # the ingress applies the new user_config asynchronously
+    st = control.status(APP)
+    while st["operator_weight"] != 0.25 and time.monotonic() < deadline:
+        time.sleep(0.25)
+        st = control.status(APP)
+    assert st["rolled_back"] and st["operator_weight"] == 0.25 and st["weight"] == 0.0, st
     assert "ray_fuselane_canary_requests_total" in text
 
 

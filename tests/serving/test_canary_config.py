@@ -193,3 +193,24 @@ def test_cli_refuses_weight_out_of_range_and_bad_config(tmp_path, capsys):
     args = parser.parse_args(["canary", "deploy", str(bad)])
     assert args.func(args) == 2
     assert "routing.weight" in capsys.readouterr().err
+
+
+def test_a_redeploy_keeps_the_live_weight_unless_asked(tmp_path):
+    from fuselane.serving.canary.control import deploy_user_config
+
+    data = _base(tmp_path)
+    data["routing"] = {"weight": 0.25}
+    config = parse_config(data)
+    fresh, line = deploy_user_config(config, None)
+    assert fresh == config.user_config() and "new deployment" in line
+
+    live = {"weight": 0.6, "shadow_fraction": 0.5, "epoch": 3}
+    kept, line = deploy_user_config(config, live)
+    assert kept == {"weight": 0.6, "shadow_fraction": 0.5, "epoch": 3}
+    assert "weight 0.6" in line and "kept from the running canary" in line
+    assert "the file says 0.25" in line
+
+    # Asked for: the file's values, the live epoch (a redeploy does not clear a rollback).
+    asked, line = deploy_user_config(config, live, weight_from_file=True)
+    assert asked == {"weight": 0.25, "shadow_fraction": config.shadow.fraction, "epoch": 3}
+    assert "from the file, as asked" in line and "had 0.6" in line
