@@ -54,20 +54,6 @@ def prepare_values() -> bool:
     return True
 
 
-def parse_port(value: str | None) -> tuple[str, int] | None:
-    """`FUSELANE_TELEMETRY_PORT`: `port` or `host:port`; None when unset. ValueError if bad."""
-    if not value:
-        return None
-    host, _, port = value.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        number = -1
-    if not 0 < number < 65536:
-        raise ValueError(f"{PORT_ENV}={value!r}: expected a port (1-65535) or host:port")
-    return (host or "0.0.0.0", number)
-
-
 def start_port_server(host: str, port: int) -> int | None:
     """Serve this process's default registry on the first free port from `port`."""
     from prometheus_client import start_http_server

@@ -174,6 +174,16 @@ class RollbackSpec(_Strict):
                 f"rule fires above it); expected below 1 (rollback.enabled: false turns "
                 f"rollback off)"
             )
+        # custom p50 / stock p50 above the ratio rolls back: below 1, an arm exactly as fast
+        # as stock (or faster, up to the ratio) is rolled back, which no operator means.
+        for name in ("max_latency_ratio", "max_latency_ratio_interpreted"):
+            ratio = getattr(self, name)
+            if ratio is not None and ratio < 1.0:
+                errors.append(
+                    f"rollback.{name}: {ratio:g} would roll back a custom arm as fast as stock "
+                    f"(the rule fires when custom's p50 latency is above {ratio:g} x stock's); "
+                    f"expected at least 1, or null to switch the rule off"
+                )
         if self.min_agreement is not None and self.min_agreement <= 0.0:
             errors.append(
                 f"rollback.min_agreement: {self.min_agreement:g} can never be undercut (the "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import torch
 from prometheus_client import REGISTRY
@@ -29,7 +30,6 @@ from fuselane.kernels import sampling as sampling_kernels
 from fuselane.plugin import (
     faults,
     kernel_timing,
-    metrics_export,
     numerics,
     numerics_attention,
     sampling_state,
@@ -772,12 +772,13 @@ def test_without_the_variable_the_log_says_so(tmp_path):
 
 
 def test_fallback_port_and_the_prometheus_helper(tmp_path):
-    """FUSELANE_TELEMETRY_PORT serves the process's registry; a real Prometheus scrapes it."""
+    """FUSELANE_TELEMETRY_PORT serves the process's registry, on 127.0.0.1 for a bare port;
+    a real Prometheus scrapes it."""
     if not prometheus.available():
         pytest.skip("no prometheus binary")
     port = prometheus.free_port()
     proc = run_engine_like(
-        {"FUSELANE_TELEMETRY": "1", "FUSELANE_TELEMETRY_PORT": f"127.0.0.1:{port}"},
+        {"FUSELANE_TELEMETRY": "1", "FUSELANE_TELEMETRY_PORT": str(port)},
         "serve",
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -788,6 +789,12 @@ def test_fallback_port_and_the_prometheus_helper(tmp_path):
         while "PORT_READY" not in line:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+        listening = {
+            c.laddr
+            for c in psutil.Process(proc.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
+        assert {a.ip for a in listening} == {"127.0.0.1"}, listening
         body = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
         want = (
             'fuselane_kernel_launches_total{impl="fuselane",kernel="kv_cache",phase="decode"} 5.0'
@@ -804,7 +811,6 @@ def test_fallback_port_and_the_prometheus_helper(tmp_path):
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
-    assert metrics_export.parse_port("9100") == ("0.0.0.0", 9100)
 
 
 # ---------------------------------------------------------------------------------- call sites

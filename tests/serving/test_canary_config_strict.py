@@ -75,6 +75,14 @@ BAD = {
         "rollback: {max_error_rate: 1.0}",
         ["rollback.max_error_rate: 1 can never be exceeded", "below 1"],
     ),
+    "latency ratio below 1": (
+        "rollback: {max_latency_ratio: 0.5}",
+        ["rollback.max_latency_ratio: 0.5 would roll back a custom arm as fast as stock", "null"],
+    ),
+    "interpreted latency ratio below 1": (
+        "rollback: {max_latency_ratio_interpreted: 0.9}",
+        ["rollback.max_latency_ratio_interpreted: 0.9", "at least 1"],
+    ),
     "agreement never undercut": (
         "rollback: {min_agreement: 0}",
         ["rollback.min_agreement: 0 can never be undercut", "null"],
