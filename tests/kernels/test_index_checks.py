@@ -86,6 +86,27 @@ def test_kv_write_refuses_bad_slots(slots, message, entry):
         getattr(kvc, entry)(_kv_case(slots))
 
 
+@pytest.mark.parametrize(
+    "slots,message",
+    [
+        ([0, 1, 10**12, -1], r"slot_mapping\[2\].*< 32 cache slots"),
+        ([0, 1, 35, -1], r"slot_mapping\[2\]"),
+    ],
+    ids=["1e12", "past-the-end"],
+)
+def test_rope_write_refuses_bad_slots(slots, message):
+    """The fused RoPE + KV write checks its slots as the plain write does (and rotates nothing
+    when it refuses: query and key keep their values)."""
+    write = _kv_case(slots)
+    query = torch.randn(4, 2, 64, device=DEVICE).to(torch.bfloat16)
+    q0, k0 = query.clone(), write.key.clone()
+    cos_sin = torch.randn(8, 64, device=DEVICE)
+    positions = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        kvc.rope_kv_write(kvc.Rotary(positions, query, cos_sin, True), write)
+    assert torch.equal(query, q0) and torch.equal(write.key, k0)
+
+
 def test_rope_refuses_positions_outside_the_table():
     write = _kv_case([0, 1, 2, 3])
     query = torch.zeros(4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
@@ -123,6 +144,8 @@ def test_fp8_scales_outside_the_domain(monkeypatch, scale):
     bad, good = torch.tensor([scale], device=DEVICE), torch.tensor([0.5], device=DEVICE)
     with pytest.raises(ValueError, match=r"k_scale\[0\]: expected a finite scale > 0"):
         kvc.kv_write(kvc.KVWrite(key, value, *cache_views(got, "nhd", 64), slots, bad, good))
+    with pytest.raises(ValueError, match=r"v_scale\[0\]: expected a finite scale > 0"):
+        kvc.kv_write(kvc.KVWrite(key, value, *cache_views(got, "nhd", 64), slots, good, bad))
     monkeypatch.setattr(index_checks, "_enabled", False)
     kvc.kv_write(kvc.KVWrite(key, value, *cache_views(got, "nhd", 64), slots, bad, good))
     kvc.kv_write_reference(kvc.KVWrite(key, value, *cache_views(want, "nhd", 64), slots, bad, good))
