@@ -126,6 +126,8 @@ def engine_kwargs(arm: Arm, model: str | Path, profile: bool = False) -> dict[st
     }
     if settings.TENSOR_PARALLEL > 1:
         kw["tensor_parallel_size"] = settings.TENSOR_PARALLEL
+    if settings.KV_CACHE_DTYPE != "auto":  # --kv-cache-dtype: every arm alike
+        kw["kv_cache_dtype"] = settings.KV_CACHE_DTYPE
     if arm.attention_backend is not None:
         kw["attention_backend"] = arm.attention_backend
     if profile:
@@ -152,6 +154,8 @@ def server_command(arm: Arm, model_dir: str | Path, port: int) -> list[str]:
     ]  # fmt: skip
     if settings.TENSOR_PARALLEL > 1:
         cmd += ["--tensor-parallel-size", str(settings.TENSOR_PARALLEL)]
+    if settings.KV_CACHE_DTYPE != "auto":
+        cmd += ["--kv-cache-dtype", settings.KV_CACHE_DTYPE]
     if arm.attention_backend is not None:
         cmd += ["--attention-backend", arm.attention_backend]
     return cmd

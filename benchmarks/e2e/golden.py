@@ -38,14 +38,24 @@ BOUND_ARM = "TRITON_ATTN"
 MODES = ("write", "check")
 # Generated tokens per prompt in golden mode (the correctness pass's 48 otherwise).
 GOLDEN_OUTPUT = 32
-# The spec entries that must be equal for a check to mean anything.
-SPEC_KEYS = ("model_config_sha256", "dtype", "weights", "prompts", "output", "top_logprobs")
+# The spec entries that must be equal for a check to mean anything (kv_cache_dtype is in a
+# spec only when not "auto", so files written before it existed still check).
+SPEC_KEYS = (
+    "model_config_sha256",
+    "dtype",
+    "weights",
+    "prompts",
+    "output",
+    "top_logprobs",
+    "kv_cache_dtype",
+)
 
 
 def spec(model: str | Path) -> dict[str, Any]:
     """What the outputs depend on besides the device and versions."""
     config = Path(model) / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None
+    kv = {} if settings.KV_CACHE_DTYPE == "auto" else {"kv_cache_dtype": settings.KV_CACHE_DTYPE}
     return {
         "model_config_sha256": digest,
         "model": Path(model).name,
@@ -61,6 +71,7 @@ def spec(model: str | Path) -> dict[str, Any]:
         "top_logprobs": settings.CORRECTNESS_TOP_LOGPROBS,
         "max_model_len": settings.MAX_MODEL_LEN,
         "tensor_parallel_size": settings.TENSOR_PARALLEL,
+        **kv,
     }
 
 

@@ -26,13 +26,15 @@ from settings import Workload, build_prompts, tokens_prompts
 
 
 def _sampling(max_tokens: int, **extra: Any) -> Any:
-    """The run's sampling (settings.TEMPERATURE / TOP_K / TOP_P) for `max_tokens` tokens."""
+    """The run's sampling (settings.TEMPERATURE / TOP_K / TOP_P / REPETITION_PENALTY) for
+    `max_tokens` tokens."""
     from vllm import SamplingParams
 
     return SamplingParams(
         temperature=settings.TEMPERATURE,
         top_k=settings.TOP_K,
         top_p=settings.TOP_P,
+        repetition_penalty=settings.REPETITION_PENALTY,
         max_tokens=max_tokens,
         ignore_eos=True,
         **extra,

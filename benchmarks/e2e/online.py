@@ -101,6 +101,8 @@ async def drive_online(base_url: str, plan: list[dict[str, Any]]) -> dict[str, A
 
     ep = Endpoint("e2e", base_url, model="llama8b")
     extra = {"temperature": settings.TEMPERATURE, "top_k": settings.TOP_K, "top_p": settings.TOP_P}
+    if settings.REPETITION_PENALTY != 1.0:  # vLLM's extra parameter; absent: off
+        extra["repetition_penalty"] = settings.REPETITION_PENALTY
     input_len, output_len = settings.ONLINE_INPUT_LEN, settings.ONLINE_OUTPUT_LEN
     warm = [RequestSpec(p, 16, len(p)) for p in build_prompts(8, input_len, seed=98)]
     await run_load(ep, warm, request_rate=math.inf, extra_body=extra)

@@ -37,6 +37,7 @@ from correctness import (
     largest_gap,
 )
 from settings import online_plan, selected_workloads
+from workload_sets import DEFAULT_MODEL_NAME, kernel_fields, read_model_config
 
 SCHEMA = "fuselane-e2e/1"
 # Distributions whose versions the report names (later names: another distribution of the
@@ -50,6 +51,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     wls = selected_workloads(args.quick)
     return {
         "arms": [asdict(a) for a in arms],
+        "model": model_plan(args.model),
+        "workload_set": settings.WORKLOAD_SET,
+        "adjustments": list(settings.ADJUSTMENTS),
+        "kv_cache_dtype": settings.KV_CACHE_DTYPE,
         "workloads": [asdict(w) for w in wls],
         "online": [] if args.skip_online else online_plan(args.quick),
         "online_shape": {
@@ -60,6 +65,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": settings.TEMPERATURE,
             "top_k": settings.TOP_K,
             "top_p": settings.TOP_P,
+            "repetition_penalty": settings.REPETITION_PENALTY,
             "ignore_eos": True,
         },
         "engine": {
@@ -80,6 +86,36 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def model_plan(model: str | Path) -> dict[str, Any]:
+    """The model folder's name, path and what the kernels see of its config."""
+    try:
+        fields: dict[str, Any] = kernel_fields(read_model_config(model))
+    except (OSError, ValueError, KeyError) as e:  # recorded; the engines will say more
+        fields = {"error": f"{type(e).__name__}: {e}"}
+    return {"name": Path(model).name, "path": str(model), "config": fields}
+
+
+def results_tag(report: dict[str, Any]) -> str:
+    """The results file's name beyond device and day: model, workload set and KV dtype when not
+    the default ones (so the cells of one day's matrix do not overwrite each other), then the
+    run kind."""
+    runs = report.get("runs") or [{}]  # a merged report keeps its runs' plans
+    p = report.get("plan") or runs[0].get("plan") or {}
+    parts = []
+    model = (p.get("model") or {}).get("name")
+    if model and model not in (DEFAULT_MODEL_NAME, "llama8b"):  # llama8b: the earlier folder
+        parts.append(model)
+    if p.get("workload_set", "default") != "default":
+        parts.append(p["workload_set"])
+    if p.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"kv-{p['kv_cache_dtype']}")
+    if report.get("dry_run"):
+        parts.append("dryrun")
+    elif report.get("quick"):
+        parts.append("quick")
+    return "".join(f"-{x}" for x in parts)
 
 
 def new_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,7 +187,7 @@ def write_report(report: dict[str, Any], out_dir: Path | None, copy_to_results: 
     if copy_to_results:
         dev = re.sub(r"[^a-z0-9]+", "-", str(report["device"].get("name", "unknown")).lower())
         day = report["started_at"][:10]
-        tag = "-dryrun" if report.get("dry_run") else ("-quick" if report.get("quick") else "")
+        tag = results_tag(report)
         paths.append(settings.RESULTS_DIR / f"e2e-{dev.strip('-')}-{day}{tag}.json")
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)

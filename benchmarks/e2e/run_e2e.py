@@ -30,13 +30,14 @@ One JSON (device, versions, per-arm results, ratios to FLASH_ATTN, the compariso
 How it runs on the device (no network there; torch 2.11 + triton 3.6 installed; vLLM 0.26 is
 staged in four parts: a stripped vLLM wheel and the dependencies the machine lacks): the device
 gets the repository plus the `.vllm-gpu` parts; three calls put the vLLM parts (each call
-carries `.vllm-gpu/a` (then b, c), `.vllm-gpu/device.sh` and `.vllm-gpu/llama8b`):
+carries `.vllm-gpu/a` (then b, c) and `.vllm-gpu/device.sh`; the model configs are
+committed under benchmarks/e2e/models/ and travel with the tree):
 
     bash .vllm-gpu/device.sh put .vllm-gpu/a
     bash .vllm-gpu/device.sh put .vllm-gpu/b
     bash .vllm-gpu/device.sh put .vllm-gpu/c
 
-then one call (carrying `.vllm-gpu/d`, `.vllm-gpu/device.sh`, `.vllm-gpu/llama8b`):
+then one call (carrying `.vllm-gpu/d` and `.vllm-gpu/device.sh`):
 
     bash .vllm-gpu/device.sh put .vllm-gpu/d && bash .vllm-gpu/device.sh install \
       && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . \
@@ -44,8 +45,17 @@ then one call (carrying `.vllm-gpu/d`, `.vllm-gpu/device.sh`, `.vllm-gpu/llama8b
          --out $OUT
 
 (`--quick`: one workload and one request rate; `--dry-run`: everything up to the first engine.)
+
 The pip line installs fuselane into /tmp/site with its `vllm.general_plugins` entry point, which
 is how vLLM finds the plugin in every engine process.
+
+What a run measures (workload_sets.py; docs/notes/e2e.md has one command per cell of the
+matrix): `--model NAME|DIR` (a folder of benchmarks/e2e/models/ by name: llama-3-8b, the
+default, qwen2.5-1.5b, qwen2.5-7b, mistral-7b-v0.1, gemma-2-9b; or any folder with a
+config.json), `--workloads default|sampling|long-prompts|long-decode` (the set and its
+sampling; `--long-decode-requests N`, else 16, or 8 below 100 GiB of GPU memory), and
+`--kv-cache-dtype auto|fp8|fp8_e4m3` (every arm alike: FLASH_ATTN stays fuselane's reference,
+TRITON_ATTN the bound). The engine's max_model_len follows the set and the model.
 
 `--golden write|check --golden-file FILE` runs the offline engines' greedy correctness pass only
 (32 tokens, top-5 logprobs; FLASH_ATTN, fuselane and TRITON_ATTN unless `--arms` says otherwise)
@@ -56,7 +66,8 @@ memory.py) and flags a fuselane arm whose KV capacity differs from its reference
 capture takes more than 1.2x as long.
 
 The script is split by concern; this file keeps the arguments and the orchestration:
-`settings.py` (the run's settings and prompts, which `--smoke` shrinks), `arms.py` (the engine
+`settings.py` (the run's settings and prompts, which `--smoke` shrinks), `workload_sets.py` (the
+model folders, workload sets and KV dtype, and the engine shape they give), `arms.py` (the engine
 configurations, their engine arguments, server command and environment), `processes.py` (engine
 processes in their own process group, stopped with all they spawned; server readiness; log
 scanning), `offline.py` (the offline engine's subprocess body), `online.py` (the server run and
@@ -84,6 +95,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 import golden  # noqa: E402
 import settings  # noqa: E402
+import workload_sets  # noqa: E402
 from arms import (  # noqa: E402
     ONLINE_PRIORITY,
     Arm,
@@ -100,6 +112,7 @@ from offline import worker_offline  # noqa: E402
 from online import run_online, write_tokenizer_model_dir  # noqa: E402
 from processes import exit_on_termination, owned_process, run_engine_process, scan_log  # noqa: E402
 from report import (  # noqa: E402
+    device_info,
     finish_report,
     merge_reports,
     new_report,
@@ -154,7 +167,30 @@ GOLDEN_ARMS = (golden.REFERENCE_ARM, "fuselane", golden.BOUND_ARM)
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT"), help="output dir (default $OUT)")
-    p.add_argument("--model", default=str(settings.DEFAULT_MODEL), help="model dir (config.json)")
+    p.add_argument(
+        "--model",
+        default=str(settings.DEFAULT_MODEL),
+        help="model folder (config.json), or the name of one in benchmarks/e2e/models/: "
+        + ", ".join(workload_sets.model_names()),
+    )
+    p.add_argument(
+        "--workloads",
+        choices=workload_sets.SET_NAMES,
+        default="default",
+        help="workload set (its sampling, arms and max_model_len; workload_sets.py)",
+    )
+    p.add_argument(
+        "--long-decode-requests",
+        type=int,
+        metavar="N",
+        help="requests of the long-decode set (default: 16, or 8 below 100 GiB of GPU memory)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=workload_sets.KV_CACHE_DTYPES,
+        default="auto",
+        help="vLLM's kv_cache_dtype, every arm alike",
+    )
     p.add_argument("--arms", nargs="*", default=None, help="subset of arms, in this order")
     p.add_argument("--quick", action="store_true", help="one workload, one request rate")
     p.add_argument("--dry-run", action="store_true", help="stop before the first engine")
@@ -210,6 +246,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--golden runs the offline correctness pass; not with --probe-only/--online-only")
     if args.golden and not args.golden_file and not args.worker:
         p.error("--golden needs --golden-file")
+    if args.workloads != "default" and (args.golden or args.online_only):
+        p.error(f"--workloads {args.workloads} runs offline workloads: not with --golden or "
+                "--online-only")  # fmt: skip
+    if args.long_decode_requests is not None and args.long_decode_requests < 1:
+        p.error("--long-decode-requests must be at least 1")
+    if not args.merge:
+        try:
+            args.model = str(workload_sets.resolve_model(args.model))
+        except ValueError as e:
+            p.error(str(e))
+    wset = workload_sets.workload_set(args.workloads)
+    if not wset.online:  # the servers' load has the default set's shape
+        args.skip_online = True
+    if args.arms is None and wset.arms is not None:
+        args.arms = list(wset.arms)
     # The probe and the golden pass are offline: no servers after them.
     args.skip_online = args.skip_online or args.probe_only or bool(args.golden)
     if args.golden and not args.arms:
@@ -224,6 +275,9 @@ def run_arm_offline(
     result_path = settings.WORK_DIR / f"offline-{arm.name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "offline"]
     cmd += ["--worker-arm", arm.name, "--worker-result", str(result_path), "--model", args.model]
+    # The run's shape, decided here once (the long-decode count may come from the GPU memory).
+    cmd += ["--workloads", args.workloads, "--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--long-decode-requests", str(args.long_decode_requests)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     cmd += ["--smoke"] if args.smoke else []
@@ -243,6 +297,36 @@ def publish(report: dict[str, Any], out_dir: Path | None, copy_to_results: bool)
     print(table(report))
 
 
+def apply_run_shape(args: argparse.Namespace) -> str | None:
+    """The model, workload set and KV dtype into `settings` (workload_sets.plan_shape); fills
+    in args.long_decode_requests for the workers. Returns the long-decode rule's reason when the
+    rule chose the count."""
+    rule = None
+    if args.long_decode_requests is None:
+        mib = None
+        if args.workloads == "long-decode":  # nvidia-smi only where the count depends on it
+            mib = workload_sets.gpu_memory_mib(device_info())
+        args.long_decode_requests = workload_sets.long_decode_requests(
+            mib, args.tensor_parallel_size
+        )
+        if args.workloads == "long-decode":
+            rule = (
+                f"long-decode: {args.long_decode_requests} requests (GPU memory "
+                f"{'unknown' if mib is None else f'{mib:.0f} MiB'} x "
+                f"{args.tensor_parallel_size}; 16 at >= {workload_sets.LONG_DECODE_BIG_GPU_GIB:g}"
+                " GiB, else 8)"
+            )
+    shape = workload_sets.plan_shape(
+        args.workloads,
+        workload_sets.read_model_config(args.model),
+        smoke=args.smoke,
+        kv_cache_dtype=args.kv_cache_dtype,
+        long_decode_requests=args.long_decode_requests,
+    )
+    workload_sets.apply_shape(shape)
+    return rule
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out) if args.out else None
@@ -254,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.golden:
         settings.apply_golden()
     settings.TENSOR_PARALLEL, settings.TELEMETRY = args.tensor_parallel_size, args.telemetry
+    rule = apply_run_shape(args)
     if args.worker == "offline":
         arm = next(a for a in make_arms() + v1_runner_arms() if a.name == args.worker_arm)
         return worker_offline(
@@ -268,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_on_termination()
     t_start = time.monotonic()
     report = new_report(args)
+    if rule:
+        report["notes"].append(rule)
     arms = make_arms(args.arms)
     if args.dry_run:
         for arm in arms:
@@ -300,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Rough costs (s) used to decide what still fits in the budget. Every arm's offline
     # engine runs first (the throughput numbers matter most), then the servers in the same
     # order, so a tight budget drops TRITON_ATTN's server first.
-    est_offline, est_online = (110.0, 70.0) if not args.quick else (90.0, 60.0)
+    est_offline = workload_sets.workload_set(args.workloads).est_offline_s
+    est_offline, est_online = (est_offline, 70.0) if not args.quick else (est_offline - 20, 60.0)
     if args.golden:  # engine start and one short greedy pass
         est_offline = 75.0
     for arm in arms:

@@ -4,7 +4,8 @@ Where the run keeps its files, the engine settings every arm shares, the samplin
 workloads, the online request rates and the correctness pass's prompt shapes; `apply_smoke`
 shrinks them for the tiny CPU model, `apply_golden` sets the golden pass's length. The other
 modules read them here at call time (`settings.MAX_MODEL_LEN`), never as copies taken at
-import: `--smoke`, `--golden`, `--tensor-parallel-size` and `--telemetry` replace them once the
+import: `--smoke`, `--golden`, `--tensor-parallel-size`, `--telemetry` and the run's shape
+(`--workloads`, `--model`, `--kv-cache-dtype`: workload_sets.apply_shape) replace them once the
 arguments are known, and every reader must see that.
 """
 
@@ -20,7 +21,9 @@ import prefill_probe
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "benchmarks" / "results"
-DEFAULT_MODEL = REPO / ".vllm-gpu" / "llama8b"
+# The Llama-3-8B config of every earlier GPU run (the same bytes as the git-ignored
+# .vllm-gpu/llama8b they read it from), committed with the other models' (models/README.md).
+DEFAULT_MODEL = REPO / "benchmarks" / "e2e" / "models" / "llama-3-8b"
 WORK_DIR = Path("/tmp/fuselane-e2e")
 
 # Engine settings shared by every arm (offline and online alike, so the compile cache of an
@@ -31,11 +34,16 @@ TENSOR_PARALLEL = 1  # --tensor-parallel-size
 TELEMETRY = False  # --telemetry: fuselane arms' servers export kernel metrics, scraped at the end
 DTYPE = "bfloat16"
 ENGINE_SEED = 0
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype, every arm; "auto": the model dtype (not passed)
+WORKLOAD_SET = "default"  # --workloads (workload_sets.py)
+ADJUSTMENTS: tuple[str, ...] = ()  # what the run's shape changed to fit the model
 
-# Sampling of the throughput workloads (and the online run).
+# Sampling of the throughput workloads (and the online run); the `sampling` set changes them.
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
+REPETITION_PENALTY = 1.0  # 1.0: off (vLLM's default)
 
-# Token ids drawn for prompts: below Llama-3's special tokens (>= 128000).
+# Token ids drawn for prompts: below Llama-3's special tokens (>= 128000), and below a smaller
+# model's vocabulary (workload_sets.plan_shape).
 PROMPT_ID_RANGE = (100, 128000)
 
 
