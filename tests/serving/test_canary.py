@@ -152,7 +152,7 @@ def test_openai_endpoints_through_the_ingress(canary):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
     r = c.post("/v1/chat/completions", json=chat | {"stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    events = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) >= 3
     assert json.loads(events[0])["object"] == "chat.completion.chunk"
     r = c.post("/v1/chat/completions", json=chat)

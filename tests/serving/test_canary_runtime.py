@@ -74,22 +74,63 @@ async def _pinned_to_custom(port: int, n: int) -> list[tuple[int, str, str]]:
     return [(r.status_code, r.headers.get(ARM_HEADER), r.headers.get(FAILOVER_HEADER)) for r in rs]
 
 
-def _while_custom_hangs(port: int, action, n: int = 6, pinned: int = 0) -> tuple[list, float]:
-    """Send `n` requests to custom (weight 1) and `pinned` pinned to it, let them wait on the
+async def _other_kinds(port: int) -> list[tuple[int, str, str, bool]]:
+    """A streamed completion, a chat completion and a streamed chat (weight 1: to custom):
+    (status, arm, failover reason, whole: a stream's last event `[DONE]` with no error event
+    before it, a body's choice with its finish_reason)."""
+    completion = {"model": "tiny", "prompt": "waiting", "max_tokens": 4, "stream": True}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "waiting"}], "max_tokens": 4}
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=180, trust_env=False
+    ) as ac:
+
+        async def one(path: str, body: dict) -> tuple[int, str, str, bool]:
+            if body.get("stream"):
+                async with ac.stream("POST", path, json=body) as r:
+                    # Split on "\n" alone: an SSE event ends there, while str.splitlines()
+                    # would also split inside the JSON at U+2028 and its kin.
+                    text = (await r.aread()).decode()
+                    data = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
+                    whole = bool(data) and data[-1] == "[DONE]"
+                    whole = whole and not any('"error"' in d for d in data[:-1])
+            else:
+                r = await ac.post(path, json=body)
+                whole = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] is not None
+            return r.status_code, r.headers.get(ARM_HEADER), r.headers.get(FAILOVER_HEADER), whole
+
+        return list(
+            await asyncio.gather(
+                one("/v1/completions", completion),
+                one("/v1/chat/completions", chat),
+                one("/v1/chat/completions", chat | {"stream": True}),
+            )
+        )
+
+
+def _while_custom_hangs(
+    port: int, action, n: int = 6, pinned: int = 0, other_kinds: bool = False
+) -> tuple[list, float]:
+    """Send `n` requests to custom (weight 1) and `pinned` pinned to it (and, with
+    `other_kinds`, a streamed completion, a chat and a streamed chat), let them wait on the
     hung replica, run `action`; returns the results and how long after `action` the last one
     was answered."""
+
+    async def nothing() -> list:
+        return []
 
     async def run() -> tuple[list, float]:
         with _custom_hung():
             load = asyncio.gather(
-                _burst(port, n, concurrency=n, max_tokens=4), _pinned_to_custom(port, pinned)
+                _burst(port, n, concurrency=n, max_tokens=4),
+                _pinned_to_custom(port, pinned),
+                _other_kinds(port) if other_kinds else nothing(),
             )
             await asyncio.sleep(2.0)
             assert not load.done()  # waiting on custom (first_response_timeout_s is 30 s)
             t0 = time.monotonic()
             await asyncio.to_thread(action)
-            weighted, pins = await asyncio.wait_for(load, 20)
-            return weighted + pins, time.monotonic() - t0
+            weighted, pins, others = await asyncio.wait_for(load, 20)
+            return weighted + pins + others, time.monotonic() - t0
 
     return asyncio.run(run())
 
@@ -138,12 +179,16 @@ def test_rollback_sends_the_requests_waiting_on_custom_to_stock(canary):  # noqa
         # What a custom replica whose kernels fail their checks reports (engine.py).
         monitor.report_kernels.remote("test-replica", "custom", 2.0, 2.0, []).result(timeout_s=30)
 
-    results, after = _while_custom_hangs(canary["port"], numerical_checks_fail, pinned=2)
+    results, after = _while_custom_hangs(
+        canary["port"], numerical_checks_fail, pinned=2, other_kinds=True
+    )
     st = control.status(APP)
     assert st["rolled_back"] and st["rollback"]["reason"] == "numerical_checks", st["rollback"]
-    # Re-sent to stock as soon as the ingress heard of the rollback (pinned ones too), not
-    # answered by custom (or timed out) once it answers again.
-    assert results == [(200, "stock", "rollback")] * 8
+    # Re-sent to stock as soon as the ingress heard of the rollback (pinned ones, streams and
+    # chats too: no byte had reached their clients), not answered by custom (or timed out)
+    # once it answers again; each answer whole.
+    assert results[:8] == [(200, "stock", "rollback")] * 8
+    assert results[8:] == [(200, "stock", "rollback", True)] * 3
     assert after < 8, after
     after_rollback = asyncio.run(_burst(canary["port"], 10, concurrency=5, max_tokens=1))
     assert {arm for _, arm, _ in after_rollback} == {"stock"}
