@@ -1,4 +1,5 @@
-"""`fuselane bench kernels`, attention: decode, prefill and mixed batches of each model shape.
+"""`fuselane bench kernels`, attention: decode (uniform and ragged contexts, bf16 and fp8 KV
+caches), prefill and mixed batches of each model shape.
 
 Inputs and checks are bench_attention's (attention_workload.py: `make_problem` over one random
 KV pool per model; `Expected`: the reference's output and its tolerance), with the model's head
@@ -17,13 +18,15 @@ prefill and mixed do 4 * Hq * D FLOPs per visible (query, key) pair (QK^T and PV
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 
 import torch
 
 from fuselane.benchmarks.kernels import attention_workload as aw
 from fuselane.benchmarks.kernels.attention_timing import VllmScratch, vllm_attention
-from fuselane.benchmarks.kernels.grid import PAGE, SIZES, Case, ModelShape
+from fuselane.benchmarks.kernels.grid import FP8_SECTIONS, PAGE, Case, ModelShape, build_grid
 from fuselane.benchmarks.kernels.impls import Check, Context, Impl, Prepared, generator
 from fuselane.kernels import attention as attn
 
@@ -45,19 +48,48 @@ def visible_pairs(q_len: int, seq_len: int, window: int | None) -> int:
     return tri(window) - tri(lo - 1) + (hi - window) * window
 
 
+def case_lens(case: Case) -> tuple[list[int], list[int]]:
+    """Query rows and context length of every sequence of an attention case."""
+    size = case.params
+    if case.section == "prefill":
+        return [size["seq_len"]], [size["seq_len"]]
+    if case.section == "mixed":
+        rows = size["decodes"] + size["chunks"]
+        q_lens = [1] * size["decodes"] + [size["chunk_len"]] * size["chunks"]
+        return q_lens, [size["context"]] * rows
+    lens = case.contexts or []
+    return [1] * len(lens), lens
+
+
+def case_pages(case: Case) -> int:
+    return sum(math.ceil(n / PAGE) for n in case_lens(case)[1])
+
+
+@functools.cache
 def pool_pages(grid: str) -> int:
     """KV pages for the largest attention case of a grid (one pool serves a model's cases)."""
-    s = SIZES[grid]
-    need = [b * math.ceil(n / PAGE) for b, n in s["decode"]]
-    need += [math.ceil(n / PAGE) for n in s["prefill"]]
-    need += [(c + d) * math.ceil(n / PAGE) for c, _, d, n in s["mixed"]]
-    return max(need) + 64
+    return max(case_pages(c) for c in build_grid(("attention",), grid=grid)) + 64
 
 
-def warm_key(kind: str, m: ModelShape) -> tuple[str, dict[str, object]]:
-    """FlashInfer's JIT module for decode or prefill of this shape: (key, warm-up spec)."""
+def kv_dtype(case: Case) -> torch.dtype:
+    return aw.FP8 if case.section in FP8_SECTIONS else DTYPE
+
+
+def kv_pool(ctx: Context, m: ModelShape, dtype: torch.dtype, pages: int) -> torch.Tensor:
+    """The model's random KV pool in `dtype` (one pool kept at a time), at least `pages` long."""
+    key = f"kv_pool:{m.num_kv_heads}x{m.head_size}" + ("" if dtype == DTYPE else " fp8")
+    old = ctx.cache.get(key)
+    if old is not None and old.shape[0] < pages:  # a case past the grid's (tests): grow it
+        del ctx.cache[key]
+    size = max(pages, pool_pages(ctx.grid))
+    return ctx.keep(key, lambda: aw.make_pool(size, PAGE, m.num_kv_heads, m.head_size, dtype))
+
+
+def warm_key(kind: str, m: ModelShape, kv: torch.dtype = DTYPE) -> tuple[str, dict[str, object]]:
+    """FlashInfer's JIT module for decode or prefill of this shape and KV cache dtype: (key,
+    warm-up spec)."""
     key = f"{kind} D={m.head_size} window={m.sliding_window} softcap={m.softcap:g}"
-    spec = {
+    spec: dict[str, object] = {
         "kind": kind,
         "num_q_heads": m.num_q_heads,
         "num_kv_heads": m.num_kv_heads,
@@ -65,29 +97,28 @@ def warm_key(kind: str, m: ModelShape) -> tuple[str, dict[str, object]]:
         "window_left": -1 if m.sliding_window is None else m.sliding_window - 1,
         "softcap": m.softcap,
     }
+    if kv == aw.FP8:
+        key += " kv=fp8"
+        spec["kv_dtype"] = "float8_e4m3fn"
     return key, spec
 
 
+def _fi_kind(case: Case) -> str:
+    return "decode" if case.section.startswith("decode") else "prefill"
+
+
 def warmups(case: Case) -> dict[str, dict[str, object]]:
-    key, spec = warm_key("decode" if case.section == "decode" else "prefill", case.shape)
+    key, spec = warm_key(_fi_kind(case), case.shape, kv_dtype(case))
     return {key: spec}
 
 
 def prepare(ctx: Context, case: Case) -> Prepared:
-    m, size = case.shape, case.params
-    if case.section == "decode":
-        q_lens, lens = [1] * size["batch"], [size["context"]] * size["batch"]
-    elif case.section == "prefill":
-        q_lens, lens = [size["seq_len"]], [size["seq_len"]]
-    else:
-        rows = size["decodes"] + size["chunks"]
-        q_lens = [1] * size["decodes"] + [size["chunk_len"]] * size["chunks"]
-        lens = [size["context"]] * rows
+    m = case.shape
+    q_lens, lens = case_lens(case)
+    decode = case.section.startswith("decode")
     hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
-    pool = ctx.keep(
-        f"kv_pool:{hkv}x{d}",
-        lambda: aw.make_pool(pool_pages(ctx.grid), PAGE, hkv, d, DTYPE),
-    )
+    cache_dtype = kv_dtype(case)
+    pool = kv_pool(ctx, m, cache_dtype, case_pages(case))
     ws = ctx.keep(
         f"attn_workspace:{hq}x{d}",
         lambda: attn.AttentionWorkspace.allocate(
@@ -97,8 +128,21 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     p = aw.make_problem(q_lens, lens, generator(ctx.device, case.seed), kv=pool, hq=hq)
     opts = {"scale": d**-0.5, "sliding_window": m.sliding_window, "softcap": m.softcap}
     expected = aw.Expected(p, case.section == "prefill", **opts)
-    prep = Prepared(impls=[], extra={"window": m.sliding_window, "softcap": m.softcap})
-    if case.section == "decode":
+    extra: dict[str, object] = {"window": m.sliding_window, "softcap": m.softcap}
+    if cache_dtype != DTYPE:
+        extra["cache_dtype"] = str(cache_dtype)[6:]
+    if case.dist is not None:  # what was drawn, so a reader can rebuild the batch
+        extra.update(
+            ctx_dist=case.dist.label,
+            ctx_seed=case.dist.seed(len(lens)),
+            ctx_min=min(lens),
+            ctx_median=statistics.median(lens),
+            ctx_max=max(lens),
+            ctx_sum=sum(lens),
+            contexts=lens,
+        )
+    prep = Prepared(impls=[], extra=extra)
+    if decode:
         keys = sum(n if m.sliding_window is None else min(n, m.sliding_window) for n in lens)
         prep.nbytes = keys * hkv * d * 2 * p.kv.element_size() + 2 * p.q.numel() * 2
     else:
@@ -117,13 +161,13 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     if peers.unified_attention is not None:
         prep.impls.append(Impl("vllm-triton-unified", "vllm", _vllm_setup(ctx, p, m, expected)))
     if peers.flashinfer is not None:
-        kind = "decode" if case.section == "decode" else "prefill"
+        kind = _fi_kind(case)
         prep.impls.append(
             Impl(
                 "flashinfer",
                 "flashinfer",
                 _flashinfer_setup(ctx, p, m, expected, kind),
-                warm=warm_key(kind, m)[0],
+                warm=warm_key(kind, m, cache_dtype)[0],
             )
         )
     seq = lens[0]
@@ -173,9 +217,14 @@ def _flashinfer_setup(ctx: Context, p: aw.Problem, m: ModelShape, expected: aw.E
             window_left=window_left,
             logits_soft_cap=m.softcap or None,
             q_data_type=DTYPE,
-            kv_data_type=DTYPE,
+            kv_data_type=p.kv.dtype,
             sm_scale=d**-0.5,
         )
+        # an fp8 cache's per-tensor scales, as vLLM's FlashInfer backend passes them (floats:
+        # k's folds into the softmax scale, v's multiplies the output after the kernel)
+        scales = {}
+        if p.k_scale is not None:
+            scales = dict(k_scale=float(p.k_scale), v_scale=float(p.v_scale))
         pages = (p.kv_indptr, p.kv_indices, p.kv_last_page_len)
         if kind == "decode":
             w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
@@ -183,7 +232,7 @@ def _flashinfer_setup(ctx: Context, p: aw.Problem, m: ModelShape, expected: aw.E
         else:
             w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
             w.plan(p.cu, *pages, hq, hkv, d, PAGE, causal=True, **common)
-        return lambda: w.run(p.q, p.kv, out=out), _check(expected, out)
+        return lambda: w.run(p.q, p.kv, out=out, **scales), _check(expected, out)
 
     return setup
 

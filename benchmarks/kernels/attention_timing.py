@@ -10,6 +10,7 @@ CUDA-graph replay (eagerly, and noted, if it cannot be captured).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -77,9 +78,13 @@ def vllm_attention(
     softcap: float = 0,
 ) -> Callable[[], object]:
     """vLLM's `unified_attention` on `p` into `out`, called as TRITON_ATTN calls it (causal; the
-    k/v descales of 1 are layer._k_scale.expand(...))."""
+    k/v descales are layer._k_scale.expand(...): 1 for a bf16 cache, `p`'s per-tensor scales
+    for an fp8 one, with vLLM's FP8_PER_TENSOR quantization mode where the kernel takes one)."""
     one = torch.ones((), dtype=torch.float32, device=out.device)
-    descale = one.expand(len(p.lens), p.kv.shape[3])
+    shape = (len(p.lens), p.kv.shape[3])
+    k_descale = (one if p.k_scale is None else p.k_scale.reshape(())).expand(shape)
+    v_descale = (one if p.v_scale is None else p.v_scale.reshape(())).expand(shape)
+    quant = vllm_fp8_mode(unified_attention) if p.kv.dtype == aw.FP8 else {}
 
     def fn() -> None:
         unified_attention(
@@ -97,16 +102,29 @@ def vllm_attention(
             block_table=p.block_table,
             softcap=softcap,
             q_descale=None,
-            k_descale=descale,
-            v_descale=descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
             seq_threshold_3D=scratch.rows,
             num_par_softmax_segments=VLLM_SEGMENTS,
             softmax_segm_output=scratch.out,
             softmax_segm_max=scratch.max,
             softmax_segm_expsum=scratch.expsum,
+            **quant,
         )
 
     return fn
+
+
+def vllm_fp8_mode(unified_attention: Callable[..., object]) -> dict[str, object]:
+    """The keyword that makes `unified_attention` dequantize an fp8 cache with per-tensor
+    scales. vLLM versions whose kernel takes `kv_quant_mode` (0.26 and 0.33 among them) only
+    cast an fp8 cache, unscaled, without FP8_PER_TENSOR; older ones dequantize whenever the
+    cache is fp8 and take no such argument. The enum is the kernel module's own (no import of
+    vLLM's internals here)."""
+    if "kv_quant_mode" not in inspect.signature(unified_attention).parameters:
+        return {}
+    enum = getattr(inspect.getmodule(unified_attention), "KVQuantMode", None)
+    return {"kv_quant_mode": enum.FP8_PER_TENSOR if enum is not None else 1}
 
 
 class Peers(family_script.ScriptPeers):

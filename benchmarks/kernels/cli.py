@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fuselane.benchmarks.kernels.grid import FAMILIES, MODELS, SIZES
+from fuselane.benchmarks.kernels import grid as kgrid
+from fuselane.benchmarks.kernels.grid import ALL_SECTIONS, FAMILIES, MODELS, SECTIONS, SIZES
 
 PEERS = ("vllm", "flashinfer", "torch")
 DEFAULT_BUDGET_S = 330.0
@@ -23,7 +24,8 @@ DEFAULT_BUDGET_S = 330.0
 DESCRIPTION = f"""\
 Times every kernel family of fuselane against whichever peers import here, on shapes of real
 models, in one process on one GPU:
-  attention   decode, prefill and mixed batches (paged KV cache, page 16, bf16)
+  attention   decode (B=1..256; ragged batches; bf16 and fp8 KV caches), prefill of 1k to 32k
+              tokens and mixed batches (paged KV cache, page 16)
   kv_cache    paged KV writes, bf16 and fp8 quantize-on-write, and fused RoPE + write
   sampling    fused temperature / top-k / top-p sampling at the model's vocabulary
 Peers: vLLM's Triton kernels (unified attention, reshape_and_cache_flash), FlashInfer (paged
@@ -39,9 +41,11 @@ Every output is checked against the kernel's torch reference before it is timed;
 medians of CUDA-graph replays. Written to --out: kernels-<gpu>-<date>.json (device, versions,
 measured ceilings, every row: median us, TB/s or TFLOP/s, % of the ceiling, peer / fuselane),
 the same as a markdown report (.md) and, with matplotlib, one PNG per family: time against
-size with the roofline of the measured ceilings. The default grid is sized to fit the default
---budget on an H200 (an estimate from the per-family runs: most of the time is compiling, and
-FlashInfer builds its kernels in background processes meanwhile).
+size with the roofline of the measured ceilings. The full grid takes ~28 min on an H100 (most of
+it compiling and capturing; FlashInfer builds its kernels in background processes meanwhile),
+past the default --budget: split it over calls with --family / --section / --model (--list
+prints the cases and their estimated seconds; docs/performance.md has a split of five calls)
+and join the parts with --merge.
 
 Peers on a machine without vLLM: put vLLM's Triton kernel files and FlashInfer on PYTHONPATH
 (see .peers/setup_device.sh in a checkout); a peer that does not import is listed, not fatal.
@@ -59,6 +63,8 @@ examples:
   fuselane bench kernels --out results/kernels
   fuselane bench kernels --quick --family attention --model llama-3-8b --out /tmp/k
   fuselane bench kernels --interpret-smoke --out /tmp/smoke   # no GPU: plumbing check only
+  fuselane bench kernels --section decode_fp8 --budget 480 --out /tmp/k   # one part of the grid
+  fuselane bench kernels --list --family attention   # cases and estimated seconds, no GPU
   fuselane bench kernels --quick --peers none --out /tmp/k \
       --baseline benchmarks/results/baseline-kernels-h200.json   # the gate before a merge"""
 
@@ -118,6 +124,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=list(MODELS),
         metavar="NAME",
         help=f"only this model's shapes (repeatable; one of {', '.join(MODELS)}; default: all)",
+    )
+    p.add_argument(
+        "--section",
+        action="append",
+        choices=ALL_SECTIONS,
+        metavar="NAME",
+        help="only this section (repeatable; "
+        + "; ".join(f"{f}: {', '.join(SECTIONS[f])}" for f in FAMILIES)
+        + "; default: all of the chosen families)",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="no run: join the results files of several parts of one grid (one GPU model) into "
+        "one JSON, markdown report and plots in --out",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the cases this selection would run, with estimated GPU seconds, and exit "
+        "(no GPU needed)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -226,11 +255,78 @@ class Progress:
             self.bar = None
 
 
+def _selection(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tuple[str, ...]] | str:
+    """(grid, families, sections) of the command line, or what is wrong with it. A section
+    names its family, so --section alone implies it."""
+    grid = "smoke" if args.interpret_smoke else "quick" if args.quick else "full"
+    sections = tuple(args.section or ())
+    owners = {s: f for f in FAMILIES for s in SECTIONS[f]}
+    families = tuple(args.family or dict.fromkeys(owners[s] for s in sections) or FAMILIES)
+    outside = [s for s in sections if owners[s] not in families]
+    if outside:
+        family = owners[outside[0]]
+        return f"--section {outside[0]} belongs to family {family}, which --family leaves out"
+    return grid, families, sections
+
+
+def list_cases(
+    grid: str, families: tuple[str, ...], models: tuple[str, ...], sections: tuple[str, ...]
+) -> str:
+    """The cases of a selection with their estimated GPU seconds, per section and in all."""
+    cases = kgrid.build_grid(families, models or None, grid, sections or None)
+    lines, total = [], kgrid.RUN_START_S
+    for section in dict.fromkeys(c.section for c in cases):
+        mine = [c for c in cases if c.section == section]
+        est = sum(kgrid.estimate_s(c) for c in mine)
+        total += est
+        lines.append(f"{mine[0].family} {section}: {len(mine)} cases, ~{est:.0f} s")
+        lines += [f"  {c.key}  ~{kgrid.estimate_s(c):.0f} s" for c in mine]
+    lines.append(
+        f"{len(cases)} cases, ~{total:.0f} s with every peer (estimate, H100; "
+        f"+{kgrid.RUN_START_S:g} s start; FlashInfer builds run beside)"
+    )
+    return "\n".join(lines)
+
+
+def _merge(files: list[Path], out: Path) -> int:
+    import json
+
+    from fuselane.benchmarks.kernels import outputs
+
+    try:
+        parts = [json.loads(f.read_text()) for f in files]
+        merged = outputs.merge(parts, [f.name for f in files])
+    except (OSError, ValueError, KeyError) as e:
+        sys.stderr.write(f"fuselane bench kernels: error: --merge: {e}\n")
+        return 2
+    paths = outputs.write_all(merged, out)
+    print(outputs.markdown(merged))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    selection = _selection(args)
+    if isinstance(selection, str):
+        sys.stderr.write(f"fuselane bench kernels: error: {selection}\n")
+        return 2
+    grid, families, sections = selection
+    if args.merge:
+        return _merge(args.merge, args.out)
+    if args.list:
+        models = () if args.interpret_smoke else tuple(args.model or ())
+        print(list_cases(grid, families, models, sections))
+        return 0
     if args.interpret_smoke and args.model:
         sys.stderr.write(
             "fuselane bench kernels: error: --interpret-smoke runs its own tiny model (real "
             "shapes are too slow for the interpreter): drop --model\n"
+        )
+        return 2
+    if sections and not kgrid.build_grid(families, tuple(args.model or ()) or None, grid, sections):
+        sys.stderr.write(
+            f"fuselane bench kernels: error: the {grid} grid has no case in section(s) "
+            f"{', '.join(sections)} (the quick and smoke grids keep the gate's sections)\n"
         )
         return 2
     if args.interpret_smoke:
@@ -256,14 +352,14 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
             sys.stderr.write(f"fuselane bench kernels: error: {e}\n")
             return 2
 
-    grid = "smoke" if args.interpret_smoke else "quick" if args.quick else "full"
     peers = args.peers
     if peers is None:
         peers = frozenset({"torch"}) if args.interpret_smoke else frozenset(PEERS)
     opts = suite.Options(
         out=args.out,
-        families=tuple(args.family or FAMILIES),
+        families=families,
         models=tuple(args.model or ()),
+        sections=sections,
         grid=grid,
         peers=peers,
         budget_s=args.budget or None,

@@ -1,7 +1,8 @@
 """What `fuselane bench kernels` writes: the JSON, a markdown report and PNG plots.
 
 All three are made from the JSON payload alone (`results` rows as `harness.Report.as_dicts`
-gives them), so the report and the plots of a committed JSON can be made again from it.
+gives them), so the report and the plots of a committed JSON can be made again from it, and the
+parts of a full grid run over several GPU calls can be joined into one (`merge`).
 """
 
 from __future__ import annotations
@@ -59,10 +60,22 @@ def _cell(row: dict | None) -> str:
     return text
 
 
+def _best(case_rows: dict[str, dict]) -> str:
+    """The fastest peer whose output matched the reference: `name (peer / fuselane)`."""
+    ok = [r for name, r in case_rows.items() if name != "fuselane" and r.get("check_ok", True)]
+    if not ok:
+        return "-"
+    best = min(ok, key=lambda r: r["us"])
+    ratio = best.get("peer_over_fuselane")
+    return best["impl"] + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def section_table(rows: Sequence[dict], flops: bool) -> list[str]:
     peers = _impls(rows)
     rate, pct = ("TFLOP/s", "% of GEMM") if flops else ("TB/s", "% of copy")
     head = ["models", "case", "fuselane µs", rate, pct, *peers]
+    if peers:
+        head.append("best peer")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in dict.fromkeys(r["case"] for r in rows):
         case_rows = {r["impl"]: r for r in rows if r["case"] == key}
@@ -77,6 +90,8 @@ def section_table(rows: Sequence[dict], flops: bool) -> list[str]:
             cells += [_us(ours["us"]), "" if value is None else f"{value:g}",
                       "" if share is None else f"{share:g}"]  # fmt: skip
         cells += [_cell(case_rows.get(p)) for p in peers]
+        if peers:
+            cells.append(_best(case_rows))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -133,6 +148,47 @@ def markdown(payload: Payload) -> str:
         if payload.get(key):
             out += ["", f"## {title}", ""] + [f"- {line}" for line in payload[key]]
     return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Joining the parts of one grid
+# ----------------------------------------------------------------------------------------------
+
+
+def merge(parts: Sequence[Payload], names: Sequence[str]) -> Payload:
+    """One payload of several runs on one GPU model (the parts of a split full grid): their
+    rows (a row measured twice: the later part's, noted), failures, skipped cases and notes;
+    each part's run facts (ceilings, elapsed, selection) under `parts`. The rows keep the
+    ceiling shares and ratios of the run that measured them."""
+    devices = {str(p["device"]) for p in parts}
+    if len(devices) != 1:
+        raise ValueError(f"parts of different GPU models: {', '.join(sorted(devices))}")
+    rows: dict[tuple[str, str, str], dict] = {}
+    notes: list[str] = []
+    for name, part in zip(names, parts, strict=True):
+        for r in part.get("results", []):
+            key = (r["section"], r["case"], r["impl"])
+            if key in rows:
+                notes.append(f"{' | '.join(key)}: measured again in {name}, that row kept")
+            rows[key] = r
+    first = parts[0]
+    merged = {k: v for k, v in first.items() if k not in ("results", "failures", "skipped")}
+    facts = ("grid", "families", "sections", "budget_s", "elapsed_s", "ceilings", "date")
+    merged.update(
+        date=max(str(p["date"]) for p in parts),
+        families=list(dict.fromkeys(f for p in parts for f in p.get("families", []))),
+        sections="merged",
+        models={k: v for p in parts for k, v in p.get("models", {}).items()},
+        elapsed_s=round(sum(float(p.get("elapsed_s", 0)) for p in parts), 1),
+        failures=[f for p in parts for f in p.get("failures", [])],
+        skipped=[s for p in parts for s in p.get("skipped", [])],
+        notes=[n for p in parts for n in p.get("notes", [])] + notes,
+        parts=[
+            {"file": n, **{k: p.get(k) for k in facts}} for n, p in zip(names, parts, strict=True)
+        ],
+        results=list(rows.values()),
+    )
+    return merged
 
 
 # ----------------------------------------------------------------------------------------------

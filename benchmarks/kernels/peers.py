@@ -204,12 +204,14 @@ def warm(spec_json: str) -> None:
     if kind in ("decode", "prefill"):
         hq, hkv, d, page = spec["num_q_heads"], spec["num_kv_heads"], spec["head_size"], 16
         ws = torch.zeros(16 << 20, dtype=torch.uint8, device=dev)
+        # an fp8 cache is another module (the KV dtype is a template argument)
+        kv_dtype = getattr(torch, spec.get("kv_dtype", "bfloat16"))
         one = dict(
             num_kv_heads=hkv,
             page_size=page,
             sm_scale=d**-0.5,
             q_data_type=bf16,
-            kv_data_type=bf16,
+            kv_data_type=kv_dtype,
             window_left=spec["window_left"],
             logits_soft_cap=spec["softcap"] or None,
         )

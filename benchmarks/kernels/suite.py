@@ -49,6 +49,7 @@ class Options:
     out: Path
     families: tuple[str, ...] = grid.FAMILIES
     models: tuple[str, ...] = ()  # empty: every model
+    sections: tuple[str, ...] = ()  # empty: every section of the families
     grid: str = "full"
     peers: frozenset[str] = frozenset(PEERS)
     budget_s: float | None = None
@@ -109,7 +110,7 @@ def run(opts: Options, events: Events) -> Outcome:
         report.notes.append(text)
         events.log(f"NOTE {text}")
 
-    cases = grid.build_grid(opts.families, opts.models or None, opts.grid)
+    cases = grid.build_grid(opts.families, opts.models or None, opts.grid, opts.sections or None)
     modules, failures = {}, []
     for family in dict.fromkeys(c.family for c in cases):
         try:
@@ -321,6 +322,7 @@ def _payload(state: _Run, cases: list[grid.Case], elapsed_s: float) -> dict[str,
         "interpret": opts.interpret,
         "grid": opts.grid,
         "families": list(opts.families),
+        "sections": list(opts.sections) or "all",
         "models": models,
         "peers": versions,
         "ceilings": report.ceilings,
