@@ -138,6 +138,12 @@ class RollbackSpec(_Strict):
     )
     min_requests: int = Field(20, ge=1, description="custom outcomes before rates are judged")
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0)
+    max_outage_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="custom answering nothing this long after a death or hang rolls it back "
+        "(a crash loop, an arm that never comes back); null: off",
+    )
     max_latency_ratio: float | None = Field(
         3.0, gt=0, description="custom p50 / stock p50, compiled kernels; null: rule off"
     )
@@ -279,6 +285,7 @@ class CanaryConfig(_Strict):
             if key in engine
         ]
         errors += config_checks.env_errors(self)
+        errors += config_checks.outage_errors(self)
         if errors:
             raise ValueError("\n  ".join(errors))
         return self

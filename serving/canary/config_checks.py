@@ -169,6 +169,25 @@ def env_errors(config: CanaryConfig) -> list[str]:
     return list(dict.fromkeys(errors))
 
 
+def outage_errors(config: CanaryConfig) -> list[str]:
+    """`rollback.max_outage_s` against the failover timings: after one replica death, the first
+    requests sent to custom again go out `cooldown_s` later and may wait up to
+    `first_response_timeout_s` for the new replica; an outage limit shorter than that would
+    roll back an arm for the restart of one replica."""
+    limit, f = config.rollback.max_outage_s, config.failover
+    if limit is None or not config.rollback.enabled:
+        return []
+    floor = f.cooldown_s + f.first_response_timeout_s
+    if limit > floor:
+        return []
+    return [
+        f"rollback.max_outage_s: {limit:g} would roll back custom for one replica restart: the "
+        f"first retry after a death is sent failover.cooldown_s ({f.cooldown_s:g}) later and "
+        f"waits up to failover.first_response_timeout_s ({f.first_response_timeout_s:g}); "
+        f"expected above {floor:g}, or null to switch the limit off"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine arguments, by vLLM's parser
 # ---------------------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ class CanaryMonitor:
     async def report(self, outcomes: list[tuple], comparisons: list[tuple]) -> dict[str, Any]:
         """Outcomes: `rollback.Outcome`s; comparisons: `shadow.PairResult`s. Reports from an
         older epoch count in the tallies but not in the rollback windows, nor do outcomes the
-        ingress folded into an incident already counted (`Outcome.judged`)."""
+        ingress folded into an outage already counted (`Outcome.judged`), except for how long
+        that outage had lasted (`Outcome.outage_s`)."""
         now = time.monotonic()
         for o in map(Outcome._make, outcomes):
             self.results[o.arm][o.result] += 1
@@ -122,9 +123,12 @@ class CanaryMonitor:
             ok = o.result == "ok"
             if ok and o.latency_s is not None:
                 self.latencies[o.arm].append(o.latency_s)
-            if o.result == "client_error" or o.epoch < self.epoch or not o.judged:
-                continue  # the request's fault, judged before the last operator action, or folded
-            self.judge.add_outcome(o.arm, ok, o.latency_s, now)
+            if o.result == "client_error" or o.epoch < self.epoch:
+                continue  # the request's fault, or judged before the last operator action
+            if o.outage_s is not None:
+                self.judge.add_outage(o.outage_s)  # how long custom has been out, for the rule
+            if o.judged:  # else folded into an outage already counted
+                self.judge.add_outcome(o.arm, ok, o.latency_s, now)
         for p in map(PairResult._make, comparisons):
             if p.agreement is None:
                 self.shadow["errors"] += 1

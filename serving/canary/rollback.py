@@ -9,10 +9,17 @@ not decide today:
 - `error_rate`: custom's share of failed attempts among its last `window` attempts exceeds
   `max_error_rate`, judged once `min_requests` attempts are in the window. An attempt that
   failed and was retried on stock still counts (the user was spared, the kernels were not),
-  but an incident counts once: when a custom replica dies or hangs, the ingress counts the
-  first failure, and the attempts that were in flight on it or queued for it are retried on
-  stock without being counted again (`Outcome.judged`). One replica crash is one failure, not
-  as many as it had requests; a stream cut after its first chunk counts as a failure;
+  and a stream cut after its first chunk counts, but an *outage* counts once: when a custom
+  replica dies or hangs, the ingress counts that first failure and opens an outage, which lasts
+  until custom answers a request again. The other attempts it costs (those in flight on the
+  replica, and those sent to custom after the cooldown while Serve starts another replica) are
+  retried on stock without being counted again (`Outcome.judged`). One replica crash is one
+  failure, not as many as it had requests or as the arm's restart takes: it is an arm's
+  availability, not evidence that its kernels answer wrong. An arm that keeps failing still
+  fires the rule: its server errors count one by one, every crash after custom answered again
+  is another outage, and an outage that lasts more than `max_outage_s` (custom found dead or
+  hung again and again without answering in between: a crash loop, an arm that never comes
+  back) fires the rule by itself (`Outcome.outage_s`);
 - `latency_ratio`: custom's median over stock's median of their last `window` successful
   latencies exceeds the ratio, judged once both have `min_requests` (both arms draw from the
   same traffic mix, so their medians compare). The ratio is `max_latency_ratio` while custom's
@@ -56,7 +63,10 @@ class Outcome(NamedTuple):
     latency_s: float | None
     failover: str | None  # why stock answered a request meant for custom
     epoch: int  # the operator epoch the request was routed under
-    judged: bool = True  # False: folded into an incident already counted (see above)
+    judged: bool = True  # False: folded into an outage already counted (see above)
+    # For a failure folded into an outage: how long custom had been out (answered nothing) by
+    # then, seconds; the error rule fires past `max_outage_s`.
+    outage_s: float | None = None
 
 
 @dataclass
@@ -125,11 +135,16 @@ class RollbackJudge:
         self.agreement = _Window(spec.window, spec.window_s)
         self.check_failures = 0
         self.custom_interpreted = False  # the custom replicas run Triton's interpreter
+        self.longest_outage_s = 0.0  # the longest outage reported since the operator's action
 
     def add_outcome(
         self, arm: str, ok: bool, latency_s: float | None, now: float | None = None
     ) -> None:
         self.arms[arm].add(ok, latency_s, time.monotonic() if now is None else now)
+
+    def add_outage(self, outage_s: float) -> None:
+        """A failure folded into an outage that had lasted `outage_s` by then."""
+        self.longest_outage_s = max(self.longest_outage_s, outage_s)
 
     def add_agreement(self, agreement: float, now: float | None = None) -> None:
         self.agreement.add(agreement, time.monotonic() if now is None else now)
@@ -139,6 +154,7 @@ class RollbackJudge:
         self.arms["custom"].clear()
         self.agreement.clear()
         self.check_failures = 0
+        self.longest_outage_s = 0.0
 
     def latency_limit(self) -> float | None:
         """The latency ratio in force: None when the rule is off for custom's kernels."""
@@ -155,6 +171,12 @@ class RollbackJudge:
 
     def _error_rate(self, now: float) -> Breach | None:
         custom, s = self.arms["custom"], self.spec
+        if s.max_outage_s is not None and self.longest_outage_s > s.max_outage_s:
+            return Breach(
+                "error_rate",
+                f"custom answered nothing for {self.longest_outage_s:.0f}s > "
+                f"{s.max_outage_s:g}s: its replicas were found dead or hung again and again",
+            )
         n = custom.attempts(now)
         rate = custom.error_rate(now)
         if n >= s.min_requests and rate > s.max_error_rate:

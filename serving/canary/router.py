@@ -12,7 +12,8 @@ mapping, `/v1/models`), with the step that picks a model deployment replaced by 
    streaming) at most `failover.first_response_timeout_s`. If the replica dies, is unreachable,
    times out or answers a server error before that, the request goes to stock (no byte has
    reached the client yet); a dead or hung replica also diverts custom traffic to stock for
-   `failover.cooldown_s` (one incident, counted once by the rollback rules). A rollback is
+   `failover.cooldown_s`. That opens an outage, counted once by the rollback rules, which
+   lasts until custom answers again (`_custom_failed`). A rollback is
    final: when one fires (or the operator sets weight 0), the requests still waiting on custom
    go to stock at once, and no client request reaches it any more. A stream cut
    after its first chunk ends with an OpenAI error event and no `[DONE]`
@@ -167,6 +168,7 @@ class CanaryIngress(OpenAiIngress):
         self._epoch = 0  # the operator epoch in force: reports say which epoch they belong to
         self._cooldown_until = 0.0
         self._incident_at: float | None = None  # when custom was last found dead or hung
+        self._outage_since: float | None = None  # custom has answered nothing since (monotonic)
         # Set (and replaced) at every change that may take custom away from waiting requests.
         self._changed = asyncio.Event()
         self._outcomes: list[Outcome] = []
@@ -224,8 +226,11 @@ class CanaryIngress(OpenAiIngress):
         latency: float | None,
         failover: str | None = None,
         judged: bool = True,
+        outage_s: float | None = None,
     ) -> None:
-        self._outcomes.append(Outcome(arm, result, latency, failover, self._epoch, judged))
+        self._outcomes.append(
+            Outcome(arm, result, latency, failover, self._epoch, judged, outage_s)
+        )
         # A cut stream is a failed request on the dashboards, and counted on its own too.
         self._metrics.request(arm, "error" if result == "stream_cut" else result, latency)
         if result == "stream_cut":
@@ -324,19 +329,30 @@ class CanaryIngress(OpenAiIngress):
         if self._incident_at is not None and self._incident_at >= started:
             raise _ArmFailed("unavailable", "another request found the custom arm down")
 
-    def _custom_failed(self, reason: str, started: float) -> bool:
-        """Note custom's failure of an attempt started at `started`; returns whether it counts
-        in the rollback rules. A dead or hung replica opens an incident (cooldown: custom
-        traffic goes to stock) that counts once; the failures of attempts that were in flight
-        when it opened are that incident, already counted."""
+    def _custom_failed(self, reason: str, started: float) -> tuple[bool, float | None]:
+        """Note custom's failure of an attempt started at `started`. Returns whether it counts
+        in the rollback rules and, for one that does not, how long custom had been out by then
+        (None: custom was not out).
+
+        A dead or hung replica (`timeout`, `unavailable`) diverts custom traffic to stock for
+        the cooldown and opens an outage, which lasts until custom answers again: the outage
+        counts once. The failures of attempts that were in flight when it was found, and of
+        those that find custom still dead or hung after the cooldown (Serve queues them while
+        it starts another replica), are that outage: a replica's crash is one failure, however
+        long its restart takes. A server error answered by a live replica counts every time."""
+        now = time.monotonic()
+        out_s = None if self._outage_since is None else now - self._outage_since
         if self._incident_at is not None and self._incident_at >= started:
-            return False
-        if reason in ("timeout", "unavailable"):
-            now = time.monotonic()
-            self._incident_at = now
-            self._cooldown_until = now + self.config.failover.cooldown_s
-            self._notify()
-        return True
+            return False, out_s
+        if reason not in ("timeout", "unavailable"):
+            return True, None
+        self._incident_at = now
+        self._cooldown_until = now + self.config.failover.cooldown_s
+        self._notify()
+        if self._outage_since is not None:
+            return False, out_s
+        self._outage_since = now
+        return True, None
 
     async def _first_from_custom(
         self, body: Any, call_method: str, info: RawRequestInfo | None, how: str, started: float
@@ -390,6 +406,7 @@ class CanaryIngress(OpenAiIngress):
             started = time.monotonic()
             try:
                 first, gen = await self._first_from_custom(body, call_method, info, how, started)
+                self._outage_since = None  # custom answers again: an outage ends here
                 return _Attempt("custom", first, gen, started, None)
             except _ArmFailed as e:
                 failover = e.reason
@@ -399,8 +416,8 @@ class CanaryIngress(OpenAiIngress):
                         e.reason,
                         str(e).splitlines()[0][:200],
                     )
-                    judged = self._custom_failed(e.reason, started)
-                    self._record("custom", "error", None, judged=judged)
+                    judged, out_s = self._custom_failed(e.reason, started)
+                    self._record("custom", "error", None, judged=judged, outage_s=out_s)
         started = time.monotonic()
         gen = self._call("stock", body, call_method, info)
         try:
@@ -414,7 +431,7 @@ class CanaryIngress(OpenAiIngress):
         """The stream after its first item. A failure now cannot be retried (bytes have reached
         the client): the stream ends with an error event and without `[DONE]`, so that no
         client takes the partial answer for a complete one."""
-        result, judged = "ok", True
+        result, judged, out_s = "ok", True, None
         try:
             yield att.first
             async for item in att.gen:
@@ -424,7 +441,7 @@ class CanaryIngress(OpenAiIngress):
         except Exception as e:
             result, kind = "stream_cut", _failure_kind(e)
             if att.arm == "custom":
-                judged = self._custom_failed(kind, att.started)
+                judged, out_s = self._custom_failed(kind, att.started)
             reason = shadow.failure_reason(e)
             logger.warning("fuselane canary: %s stream cut: %s", att.arm, reason.splitlines()[0])
             message = f"the {att.arm} arm failed during the stream ({kind}); the answer is cut"
@@ -432,7 +449,7 @@ class CanaryIngress(OpenAiIngress):
             raise _StreamCut() from e
         finally:
             latency = time.monotonic() - att.started if result == "ok" else None
-            self._record(att.arm, result, latency, att.failover, judged)
+            self._record(att.arm, result, latency, att.failover, judged, out_s)
 
     # -- shadow ------------------------------------------------------------------------------
 
