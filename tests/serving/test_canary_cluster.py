@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -189,6 +190,21 @@ def listening(procs: list[psutil.Process]) -> list[tuple[str, str, int]]:
     return out
 
 
+def settled(
+    cluster: LocalCluster, ports: set[int], timeout_s: float = 90.0
+) -> tuple[list[psutil.Process], list[tuple[str, str, int]]]:
+    """The cluster's processes and their listening sockets once `ports` listen (or the timeout
+    passed): Ray starts the agent that serves the metrics export after `ray.init` returns, and
+    on two busy cores that can take tens of seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = cluster.processes()
+        found = listening(procs)
+        if ports <= {port for _, _, port in found} or time.monotonic() > deadline:
+            return procs, found
+        time.sleep(0.5)
+
+
 def on_loopback(ip: str) -> bool:
     import ipaddress
 
@@ -213,12 +229,11 @@ def test_two_clusters_on_this_machine():
     stop leaves no process and no port of its cluster."""
     with ExitStack() as stack:
         clusters = [stack.enter_context(local_cluster()) for _ in range(2)]
-        procs = {c.address: c.processes() for c in clusters}
-        ports = {}
+        procs, ports = {}, {}
         for c in clusters:
-            found = listening(procs[c.address])
-            ports[c.address] = {port for _, _, port in found}
             gcs_port = int(c.address.rsplit(":", 1)[1])
+            procs[c.address], found = settled(c, {gcs_port, c.metrics_port})
+            ports[c.address] = {port for _, _, port in found}
             assert {gcs_port, c.metrics_port} <= ports[c.address], found
             assert [s for s in found if not on_loopback(s[1])] == [], found
         # The commands at once: each is a Python process of a few seconds on two cores.
