@@ -183,7 +183,7 @@ class Schedule:
     def kill_intervals(self) -> list[tuple[float, float]]:
         """From each kill to the next one (the last: to the end of the kill phase)."""
         times = [k["at"] for k in self.kills if k.get("killed")]
-        return list(zip(times, [*times[1:], self.kill_end], strict=True))
+        return list(zip(times, [*times[1:], self.kill_end][: len(times)], strict=True))
 
     def events(self) -> dict[str, Any]:
         fault = {k: v for k, v in self.fault.items() if k != "env"}
@@ -232,7 +232,8 @@ def soak(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         sched = Schedule(args, config, watch)
         load = Load(url, args.clients, timeout_s=args.timeout_s, max_tokens=args.max_tokens)
         load.start()
-        print(f"[soak] load on: {args.minutes:g} min of kills, {args.clients} clients", flush=True)
+        kills = f"a kill every {args.kill_every_s:g}s" if args.kill_every_s > 0 else "no kills"
+        print(f"[soak] load on: {args.minutes:g} min, {kills}, {args.clients} clients", flush=True)
         while not sched.done():
             sched.step()
             time.sleep(0.5)

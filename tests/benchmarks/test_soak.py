@@ -148,3 +148,7 @@ def test_custom_answers_between_kills_are_counted():
 def test_kill_schedule(every, kills):
     sched = canary_soak.Schedule(_args(kill_every_s=every), config=None, watch=_Watch([]))
     assert len(sched.kill_marks) == kills
+    sched.kills = [{"at": m, "killed": True} for m in sched.kill_marks]
+    spans = sched.kill_intervals()  # a healthy run (no kills) has none
+    assert len(spans) == kills and all(a < b for a, b in spans)
+    assert not spans or spans[-1][1] == sched.kill_end
