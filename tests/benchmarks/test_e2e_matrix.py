@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import re
 import shlex
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.benchmarks.test_e2e_script import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "e2e" / "run_e2e.py"
@@ -40,11 +41,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("run_e2e_matrix_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("run_e2e_matrix_under_test")
 
 
 @pytest.fixture

@@ -18,13 +18,19 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "e2e" / "run_e2e.py"
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    spec = importlib.util.spec_from_file_location("run_e2e_under_test", SCRIPT)
+def load_script(module_name: str):
+    """run_e2e.py loaded as a module of its own (its settings are module globals that tests
+    change: each test module gets a fresh copy)."""
+    spec = importlib.util.spec_from_file_location(module_name, SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return load_script("run_e2e_under_test")
 
 
 def test_args_defaults_and_flags(e2e, monkeypatch):
