@@ -50,6 +50,7 @@ APP = "fuselane-canary"  # the demo config's name
 DEMO_ENV = {"RAY_metrics_report_interval_ms": "1000", "PYTHONUNBUFFERED": "1"}
 ABSL_DUMP = ("SIGTERM received", "PC: @", "logging.cc")
 ARMS = ("stock", "custom")
+DEMO_REQUESTS = 160
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -133,7 +134,10 @@ def _run(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedPr
 def demo(tmp_path_factory, ray_metrics):
     tmp = tmp_path_factory.mktemp("demo")
     kernels = kernel_source_hash()
-    d = _start_demo(tmp, tmp / "tiny", ray_metrics.port, "--requests", "16", "--concurrency", "4")
+    # Enough requests that custom (weight 0.25) gets the rules' min_requests (20) and more:
+    # 160 is 40 for custom on average, under 20 with a chance of about 1e-4.
+    load = ("--requests", str(DEMO_REQUESTS), "--concurrency", "8")
+    d = _start_demo(tmp, tmp / "tiny", ray_metrics.port, *load)
     d.kernels = kernels
     try:
         d.address = _wait_for(d, r"Ray cluster: (\S+)", 600).group(1)
@@ -159,12 +163,16 @@ def test_the_demo_prints_its_cluster_and_the_commands_for_it(demo):
         assert '"asctime"' not in text and "Started Serve" not in text and "(raylet)" not in text
     assert not re.search(r"^(INFO|WARNING|DEBUG) ", out, re.M)
     # A healthy CPU run: interpreted kernels are slow by construction, the latency rule is off
-    # for them, and the custom arm still serves at the end.
+    # for them, and the custom arm still serves at the end. Custom answered at least the rules'
+    # min_requests, so the error rule has judged it (a smaller load proves nothing).
     assert "latency rule: custom's kernels run under Triton's interpreter: off" in out
     assert "ROLLED BACK" not in out and "\nrollbacks: 0\n" in out
     table = out[out.index("per-arm latency") :]
     stock, custom = (re.search(rf"^{arm}\s+(\d+)\s+(\d+)", table, re.M) for arm in ARMS)
-    assert int(custom.group(1)) > 0 and custom.group(2) == "0" and stock.group(2) == "0"
+    min_requests = yaml.safe_load(DEFAULT_CONFIG.read_text())["rollback"]["min_requests"]
+    assert int(custom.group(1)) >= min_requests, table
+    assert custom.group(2) == "0" and stock.group(2) == "0", table
+    assert int(stock.group(1)) + int(custom.group(1)) == DEMO_REQUESTS, table
     assert "custom  fuselane " in out and f"kernels {demo.kernels} (triton" in out
 
 
