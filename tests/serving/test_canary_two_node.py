@@ -13,9 +13,12 @@ second node is killed at once (a machine lost), and later a node with the same r
 - the canary's status shows the custom arm down, then up again on the new node, where its
   replica is rescheduled and takes traffic again.
 
-The rollback rules are off here (see `_two_node_config`). Three engine starts (both arms,
-then custom on the new node) make about seven minutes on two shared cores: an extended test,
-`python -m pytest -m extended tests/serving/test_canary_two_node.py`. The nodes are stopped at
+The rollback rules are on (`_two_node_config`): the lost node is one outage of custom, counted
+once, and shorter than `rollback.max_outage_s`, so custom is not rolled back and takes traffic
+again once it is back. Three engine starts (both arms, then custom on the new node) make about
+seven minutes on two shared cores: an extended test, `python -m pytest -m extended
+tests/serving/test_canary_two_node.py`; with `FUSELANE_TWO_NODE_OUT=FILE.json` it also writes
+its figures there (`benchmarks/results/canary-two-node-cpu-*.json`). The nodes are stopped at
 the end whatever happens, by killing their processes (never `ray stop`: it stops every Ray
 cluster of the machine); their logs are kept when a test failed.
 """
@@ -228,11 +231,8 @@ def _two_node_config(model: Path, port: int) -> dict[str, Any]:
     cfg["ingress"] = {"resources": {"stock_arm": 0.01}}
     cfg["routing"]["weight"] = WEIGHT
     cfg["failover"] = {"first_response_timeout_s": FIRST_RESPONSE_S, "cooldown_s": COOLDOWN_S}
-    # The rules are another test's (test_canary_rules.py, test_canary_runtime.py): here each
-    # retry of custom after a cooldown counts as one failure of custom, so a node away for
-    # minutes rolls custom back (the error rule), and custom would get no traffic back until
-    # an operator's `fuselane canary weight`. This test is about requests and replicas.
-    cfg["rollback"]["enabled"] = False
+    # The rules stay on: a node away for minutes is one outage (counted once, however many
+    # retries after a cooldown find custom still away), shorter than max_outage_s.
     return cfg
 
 
@@ -254,6 +254,7 @@ def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
         control.deploy(parse_config(_two_node_config(model, c.port)), wait_s=600)
         yield c
     finally:
+        _write_figures(model)
         try:
             from ray import serve
 
@@ -267,6 +268,29 @@ def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
             shutil.rmtree(root, ignore_errors=True)
         else:
             print(f"the nodes' logs are kept in {root}")
+
+
+FIGURES: dict[str, Any] = {}  # each test's figures, for FUSELANE_TWO_NODE_OUT
+
+
+def _write_figures(model: Path) -> None:
+    out = os.environ.get("FUSELANE_TWO_NODE_OUT")
+    if not out or not FIGURES:
+        return
+    from fuselane.benchmarks.soak import report
+
+    cfg = _two_node_config(model, 0)
+    doc = {
+        "schema": "fuselane-canary-two-node/1",
+        "benchmark": "tests/serving/test_canary_two_node.py",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": report.machine(),
+        "versions": report.versions(),
+        "nodes": {"head": {"stock_arm": 8}, "custom": {"custom_arm": 8}, "cpus": CPUS_PER_NODE},
+        "config": {k: cfg[k] for k in ("routing", "failover", "rollback")},
+        "figures": FIGURES,
+    }
+    Path(out).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def _replica_node(deployment: str) -> str:
@@ -365,6 +389,16 @@ def test_losing_the_custom_node_loses_no_request(cluster):
     table = control.format_status(st)
     assert "custom 0/1" in table and "DOWN" in table, table
     failovers = dict(Counter(r.failover for r in after))
+    FIGURES["node_lost"] = {
+        "requests": len(records),
+        "outcomes": dict(outcomes),
+        "sent_after_the_kill": len(after),
+        "answered_whole_by_stock_after_the_kill": len(_by(after, outcome="ok", arm="stock")),
+        "failovers_after_the_kill": failovers,
+        "stream_cut_s_after_the_kill": round(cut_at - killed_at, 1),
+        "status_down_s_after_the_kill": round(down_at - killed_at, 1),
+        "rolled_back": st["rolled_back"],
+    }
     print(
         f"custom node killed: stream cut {cut_at - killed_at:.1f}s later, status down "
         f"{down_at - killed_at:.1f}s later; {len(records)} requests, {len(after)} sent after "
@@ -398,6 +432,15 @@ def test_the_custom_arm_comes_back_with_its_node(cluster):
     assert not st["rolled_back"], st["rollback"]
     assert "custom 1/1 (HEALTHY)" in control.format_status(st)
     back_at = min(r.answered_at or 0 for r in records if r.arm == "custom" and r.sent_at > up_at)
+    FIGURES["node_back"] = {
+        "requests": len(records),
+        "outcomes": dict(Counter(r.outcome for r in records)),
+        "node_joined_s": round(joined_at - started, 1),
+        "custom_replica_running_s": round(up_at - started, 1),
+        "first_custom_answer_s": round(back_at - started, 1),
+        "rolled_back": st["rolled_back"],
+        "custom_errors_counted_in_the_window": st["arms"]["custom"]["error_rate_window"],
+    }
     print(
         f"custom node started again: joined {joined_at - started:.1f}s, custom replica running "
         f"{up_at - started:.1f}s, first custom answer {back_at - started:.1f}s after its start; "
