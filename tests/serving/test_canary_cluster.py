@@ -223,6 +223,9 @@ def fuselane(*argv: str) -> subprocess.Popen:
     )
 
 
+# Outside CI: on a loaded 2-core machine Ray's agent that serves a cluster's metrics export
+# did not start within 90 s in two runs out of three (it did within 20 s on a quiet one).
+@pytest.mark.extended
 def test_two_clusters_on_this_machine():
     """Two demo clusters: every server of each on 127.0.0.1; `--address auto` names both and
     stops; a named one is joined (with this machine's token, as Ray gives it to `auto`); each
