@@ -154,18 +154,21 @@ def faults_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str]:
 CHECK_INDICES_ENV_VAR = "FUSELANE_CHECK_INDICES"
 
 
+def _parse_switch(value: str | None, env_var: str, *, unset: bool, expected: str) -> bool:
+    """A 0/1 variable: "1" True, "0" False, unset or empty `unset`; anything else refused."""
+    raw = (value or "").strip()
+    if raw in ("0", "1"):
+        return raw == "1"
+    if raw == "":
+        return unset
+    raise FuselaneConfigError(f"{env_var}={value!r}: expected {expected}", env_var)
+
+
 def parse_check_indices(value: str | None) -> bool:
     """FUSELANE_CHECK_INDICES: "1" checks every kernel call's device-side indices before its
     launch (block tables, sequence lengths, query offsets, KV slots, positions, sampling state
     slots: one host sync per call, a debugging and canary switch); "0" or unset: off."""
-    raw = (value or "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    raise FuselaneConfigError(
-        f"{CHECK_INDICES_ENV_VAR}={value!r}: expected 1 (on) or 0 (off)", CHECK_INDICES_ENV_VAR
-    )
+    return _parse_switch(value, CHECK_INDICES_ENV_VAR, unset=False, expected="1 (on) or 0 (off)")
 
 
 def check_indices_from_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -181,15 +184,11 @@ def parse_hopper_kernels(value: str | None) -> bool:
     out of this process, so that fuselane's Triton attention kernels run every batch (the
     operator's switch for triage: the rest of fuselane stays as selected); "1" or unset: on
     where they apply."""
-    raw = (value or "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise FuselaneConfigError(
-        f"{HOPPER_ENV_VAR}={value!r}: expected 0 (Triton kernels only) or 1 (the Hopper kernels "
-        "where they apply, the default)",
+    return _parse_switch(
+        value,
         HOPPER_ENV_VAR,
+        unset=True,
+        expected="0 (Triton kernels only) or 1 (the Hopper kernels where they apply, the default)",
     )
 
 

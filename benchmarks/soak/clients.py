@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 import httpx
 
+from fuselane.serving.canary.demo import PHRASES
+
 Kind = Literal["completions", "chat"]
 Outcome = Literal["ok", "error", "truncated", "lost"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "error", "truncated", "lost")
@@ -40,20 +42,7 @@ PIN_HEADER = "x-fuselane-arm"
 # Server-sent events end their lines at CR, LF or CRLF, and nowhere else.
 _SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
-PROMPTS = (
-    "the kernel writes the keys",
-    "a token reads the cache",
-    "every request moves a new page",
-    "the scheduler serves ten tokens",
-    "our canary checks the logits",
-    "each layer fuses every head",
-    "the sampler measures the output",
-    "Tell me a story.",
-    "What does the sampler do?",
-    "Write a short poem.",
-    "the cache stores every block",
-    "a request waits on the queue",
-)
+PROMPTS = (*PHRASES, "the cache stores every block", "a request waits on the queue")
 
 
 @dataclass(frozen=True)

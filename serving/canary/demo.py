@@ -39,7 +39,8 @@ DEFAULT_CONFIG = CONFIGS / "canary-cpu-tiny.yaml"
 DEFAULT_MODEL_DIR = Path(".tiny-model")
 DEFAULT_APP = "fuselane-canary"  # `fuselane canary weight|status --app`'s default
 
-_WORDS = (
+# The demo's load builds its prompts from these; the soak sends them whole.
+PHRASES = (
     "the kernel writes the keys",
     "a token reads the cache",
     "every request moves a new page",
@@ -55,7 +56,7 @@ _WORDS = (
 
 def prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.sample(_WORDS, 2)) for _ in range(n)]
+    return [" ".join(rng.sample(PHRASES, 2)) for _ in range(n)]
 
 
 def demo_config(args: Any) -> CanaryConfig:
