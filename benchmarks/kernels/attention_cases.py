@@ -12,6 +12,10 @@ triton_attn.py sizes it), FlashInfer's paged decode (tensor cores) and prefill w
 GQA-expanded tensors for prefill (where SDPA can express the model: no soft cap, no window
 shorter than the sequence).
 
+Where a decode batch could run on either of fuselane's decode kernels (Hopper's warp-specialized
+one suits it, `attn.decode_ws_config`), the one the launch rule did not pick is timed too, as
+`fuselane-ws` or `fuselane-triton`: the grid is also the measurement behind that rule.
+
 Counted: decode moves the K and V rows it reads (the last `window` keys at most), q and out;
 prefill and mixed do 4 * Hq * D FLOPs per visible (query, key) pair (QK^T and PV).
 """
@@ -157,6 +161,10 @@ def prepare(ctx: Context, case: Case) -> Prepared:
         return lambda: attn.paged_attention(out=out, workspace=ws, **args), _check(expected, out)
 
     prep.impls.append(Impl("fuselane", "fuselane", fuselane))
+    if decode:
+        other = _other_decode_kernel(p, opts, ws, expected)
+        if other is not None:
+            prep.impls.append(other)
     peers = ctx.peers
     if peers.unified_attention is not None:
         prep.impls.append(Impl("vllm-triton-unified", "vllm", _vllm_setup(ctx, p, m, expected)))
@@ -185,6 +193,48 @@ def prepare(ctx: Context, case: Case) -> Prepared:
                 )
             )
     return prep
+
+
+def _other_decode_kernel(
+    p: aw.Problem, opts: dict, ws: attn.AttentionWorkspace, expected: aw.Expected
+) -> Impl | None:
+    """fuselane's decode kernel that the launch rule did not pick for `p`, where both could run
+    it: Hopper's warp-specialized kernel (`fuselane-ws`), or where the rule took that one, the
+    Triton kernel (`fuselane-triton`). None where the warp-specialized kernel cannot run it."""
+    a = p.args(**opts)
+    q, kc, vc = a["q"], a["key_cache"], a["value_cache"]
+    if not attn.decode_warp_specialized_ok(q, kc, vc):
+        return None
+    shape = dict(
+        num_seqs=len(p.lens), num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
+        head_size=q.shape[2], sms=attn.sm_count(q.device), workspace=ws,
+        kv_bytes=kc.element_size(),
+    )  # fmt: skip
+    ws_decode = attn.decode_ws_config(**shape, max_smem=attn.smem_per_block(q.device))
+    if ws_decode is None:
+        return None
+    rule = attn.plan_launch(max_query_len=1, decode_warp_specialized=True, **shape)
+    if rule.decode.warp_specialized:
+        name = "fuselane-triton"
+        plan = attn.plan_launch(max_query_len=1, decode_warp_specialized=False, **shape)
+    else:
+        name, plan = "fuselane-ws", attn.LaunchPlan(decode=ws_decode, prefill=None)
+    batch = attn.PagedBatch(a["cu_seqlens_q"], a["seq_lens"], a["block_table"], 1)
+    options = attn.AttentionOptions(
+        a["scale"], a["sliding_window"], a["softcap"], None, a["k_scale"], a["v_scale"]
+    )
+    d = plan.decode
+    extra = {"decode": f"splits={d.num_splits} tile={d.tile_n} s={d.num_stages}"}
+
+    def setup():
+        out = aw.nan_like(q)
+
+        def fn():
+            attn.run._run(q, kc, vc, out, batch, options, ws, plan=plan)
+
+        return fn, _check(expected, out)
+
+    return Impl(name, "fuselane", setup, extra=extra)
 
 
 def _check(expected: aw.Expected, out: torch.Tensor) -> Check:

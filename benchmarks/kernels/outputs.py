@@ -61,8 +61,13 @@ def _cell(row: dict | None) -> str:
 
 
 def _best(case_rows: dict[str, dict]) -> str:
-    """The fastest peer whose output matched the reference: `name (peer / fuselane)`."""
-    ok = [r for name, r in case_rows.items() if name != "fuselane" and r.get("check_ok", True)]
+    """The fastest peer whose output matched the reference: `name (peer / fuselane)` (fuselane's
+    own other kernels, `fuselane-*`, are not peers)."""
+    ok = [
+        r
+        for name, r in case_rows.items()
+        if not name.startswith("fuselane") and r.get("check_ok", True)
+    ]
     if not ok:
         return "-"
     best = min(ok, key=lambda r: r["us"])

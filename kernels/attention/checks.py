@@ -173,30 +173,35 @@ def _refuse_unrunnable_ws(
     options: AttentionOptions,
 ) -> None:
     """Raise if a given plan (benchmark sweeps, tests) names a Hopper kernel this call cannot
-    run; the rule's own plans take them only where `warp_specialized_ok` said yes."""
+    run; the rule's own plans take them only where `warp_specialized_ok` (prefill) and
+    `decode_warp_specialized_ok` said yes."""
     dec, pre = plan.decode, plan.prefill
     ws_prefill = pre is not None and pre.warp_specialized
     if not (dec.warp_specialized or ws_prefill):
         return
     sliding_window, softcap = options.window, options.softcap
     has_sinks = options.sinks is not None
-    ok = hopper.warp_specialized_ok(
-        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
-        has_sinks=has_sinks,
-    )  # fmt: skip
-    if dec.warp_specialized and not (ok and pre is None and dec.qpos == 1):
-        what = "decode kernel runs decode-only batches (query_len 1) on sm_90 GPUs"
-    elif ws_prefill and not ok:
-        what = "prefill kernel runs sm_90 GPUs"
-    else:
-        return
-    reason = hopper.hopper_kernels_off()
-    off = "" if reason is None else f" (off in this process: {reason})"
-    raise ValueError(
-        f"paged_attention: the warp-specialized {what}{off}, fp16/bf16 with a cache of the "
-        f"same dtype, head sizes {hopper.WS_HEAD_SIZES}, without sliding window, soft cap or "
-        "sinks; "
+    got = (
         f"got max_query_len {batch.max_query_len}, {q.device} {q.dtype} cache "
         f"{key_cache.dtype} head size {q.shape[2]}, window {sliding_window}, softcap {softcap}, "
         f"sinks {has_sinks}"
     )
+    reason = hopper.hopper_kernels_off()
+    off = "" if reason is None else f" (off in this process: {reason})"
+    decode_ok = hopper.decode_warp_specialized_ok(q, key_cache, value_cache)
+    if dec.warp_specialized and not (decode_ok and pre is None and dec.qpos == 1):
+        raise ValueError(
+            "paged_attention: the warp-specialized decode kernel runs decode-only batches "
+            f"(query_len 1) on sm_90 GPUs{off}, fp16/bf16 with a cache of the same dtype or fp8 "
+            f"e4m3, head sizes {hopper.DECODE_WS_HEAD_SIZES}; {got}"
+        )
+    prefill_ok = hopper.warp_specialized_ok(
+        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
+        has_sinks=has_sinks,
+    )  # fmt: skip
+    if ws_prefill and not prefill_ok:
+        raise ValueError(
+            f"paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs{off}, "
+            f"fp16/bf16 with a cache of the same dtype, head sizes {hopper.WS_HEAD_SIZES}, "
+            f"without sliding window, soft cap or sinks; {got}"
+        )

@@ -13,8 +13,14 @@ Same semantics and workspace as the Triton decode kernel for decode rows (query_
 program per (sequence, kv head, split), each split a contiguous range of tiles; with several
 splits each program writes its partial (acc, m, l) and the last of a (sequence, kv head) to
 finish merges them (`decode._merge_partials`'s arithmetic, atomic counter left at
-zero: CUDA-graph safe). Supported configurations: `prefill_ws.supports` and at most 64
-query heads per kv head; `plan.plan_launch` says when it runs.
+zero: CUDA-graph safe). Options as the Triton kernel runs them: a sliding window (the splits
+cover only the tiles from the window's first key; the edge tile is masked), a soft cap, sinks
+(joining the denominator once: without splits as the initial running max and sum, with splits
+in the merge), and an fp8 e4m3 cache with per-tensor scales: the loader copies the fp8 tiles
+(half the bytes of bf16 per slot), the compute warpgroup converts each to q's dtype in
+registers into one staging tile per operand (two barriers over its four warps per tile: the
+staging tiles are free, then written), k's scale is folded into the logit scale and v's into
+the output. `supports` says which tensors it runs; `plan.plan_launch` says when it runs.
 """
 
 from __future__ import annotations
@@ -25,18 +31,19 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from .._checks import FP8_E4M3
 from .._launch import launch, next_pow2
 from .._triton_compat import async_load, cta_barrier
 from .decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
 from .prefill_ws import (
     LOAD_WARPS,
+    _aligned,
     _allocate_ring,
     _attend_slot,
     _copy_kv_tile,
+    _is_sm90,
     _kv_tile_ptrs,
 )
 
@@ -45,43 +52,78 @@ ROWS = gl.constexpr(64)
 # Registers of a loader thread: the compute warpgroup needs few here (a 64-row tile), and a
 # 128-token tile's copy addresses spill below about 100.
 LOAD_REGS = gl.constexpr(128)
+HEAD_SIZES = (64, 128, 256)
 
 if TYPE_CHECKING:
     from .args import AttentionOptions, PagedBatch
     from .plan import AttentionWorkspace, DecodeConfig
 
 
+def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the kernel can run a decode call with these tensors, with any window, soft cap
+    or sinks: an sm_90 GPU, fp16/bf16 queries, a cache of q's dtype or fp8 e4m3, head size 64,
+    128 or 256, rows copied in 16-byte pieces (`prefill_ws._aligned`). The query heads per kv
+    head (at most 64) are the rule's to check."""
+    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
+        return False
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and key_cache.dtype in (q.dtype, FP8_E4M3)
+        and value_cache.dtype == key_cache.dtype
+        and q.shape[2] in HEAD_SIZES
+        and _aligned(key_cache)
+        and _aligned(value_cache)
+        and _aligned(q)
+    )
+
+
 @gluon.jit
-def _split_range(seq_len, split, num_splits, BLOCK_N: gl.constexpr):
-    """(lo, hi, n_tiles): this split's tiles [lo, hi) of the sequence's n_tiles."""
+def _split_range(seq_len, kv_lo, split, num_splits, BLOCK_N: gl.constexpr):
+    """(lo, hi): this split's tiles [lo, hi) of the tiles from key `kv_lo`'s (the window's
+    first key, else 0) to the sequence's last."""
     n_tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = gl.minimum(split * per_split, n_tiles)
+    t0 = kv_lo // BLOCK_N
+    per_split = gl.cdiv(n_tiles - t0, num_splits)
+    lo = gl.minimum(t0 + split * per_split, n_tiles)
     hi = gl.minimum(lo + per_split, n_tiles)
-    return lo, hi, n_tiles
+    return lo, hi
+
+
+@gluon.jit
+def _whole_tile(t, kv_lo, seq_len, BLOCK_N: gl.constexpr):
+    """Whether every key of tile `t` is visible: in [kv_lo, seq_len)."""
+    return (t * BLOCK_N >= kv_lo) & ((t + 1) * BLOCK_N <= seq_len)
 
 
 @gluon.jit
 def _decode_load_partition(
     q_row, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
-    seq, seq_len, kv_head, split, num_splits,
+    seq, seq_len, kv_lo, kv_head, split, num_splits,
     stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, PAGE: gl.constexpr,
-    NUM_BUF: gl.constexpr,
+    NUM_BUF: gl.constexpr, KV_VEC: gl.constexpr,
 ):  # fmt: skip
-    TPR: gl.constexpr = HEAD // 8
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    # 16-byte copies: 8 q elements, KV_VEC cache elements (8, or 16 of fp8) per thread and row.
+    TPRQ: gl.constexpr = HEAD // 8
+    q_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 // TPRQ, TPRQ], [gl.num_warps(), 1], [1, 0]
+    )
+    TPR: gl.constexpr = HEAD // KV_VEC
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, KV_VEC], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0]
+    )
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
     offs_d = gl.arange(0, HEAD, layout=cols_l)
 
     # Q rows: the kv head's query heads, repeated to fill the tile (padding rows never stored).
-    offs_m = gl.arange(0, ROWS, layout=rows_l)
+    offs_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    offs_dq = gl.arange(0, HEAD, layout=gl.SliceLayout(0, q_layout))
     head = kv_head * GROUP + offs_m % GROUP
-    async_load(q_smem, q_row + (head * stride_qh)[:, None] + offs_d[None, :])
+    async_load(q_smem, q_row + (head * stride_qh)[:, None] + offs_dq[None, :])
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
-    lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)
+    lo, hi = _split_range(seq_len, kv_lo, split, num_splits, BLOCK_N)
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
@@ -94,7 +136,6 @@ def _decode_load_partition(
     for i in range(0, hi - lo):
         slot = i % NUM_BUF
         offs_n = (lo + i) * BLOCK_N + offs_t
-        n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
         phys = phys_next.to(gl.int64)
         offs_ahead = offs_n + BLOCK_N
         phys_next = gl.load(bt_row + offs_ahead // PAGE, mask=offs_ahead < seq_len, other=0)
@@ -102,19 +143,41 @@ def _decode_load_partition(
         mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
         k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb,
                                        stride_ks, stride_vb, stride_vs, PAGE)  # fmt: skip
-        if lo + i < n_tiles - 1:
+        if _whole_tile(lo + i, kv_lo, seq_len, BLOCK_N):
             _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, None, False)
-        else:  # the sequence's last tile
+        else:  # the sequence's last tile or the window's first: keys outside are zero-filled
+            n_ok = (offs_n >= kv_lo) & (offs_n < seq_len)  # past the end: NaN is possible
             _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, n_ok, True)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
 @gluon.jit
+def _stage_fp8_tile(k_slot, v_slot, k_stage, v_stage, empty_bar, HEAD: gl.constexpr):
+    """An fp8 ring slot's K and V converted into the staging tiles (q's dtype): both loaded into
+    registers, then (every compute warp past that point, and past its reads of the staging
+    tiles in the previous step) the slot released to the loader and the tiles written, fenced
+    for the tensor cores and made visible to every compute warp."""
+    TPR: gl.constexpr = HEAD // 16
+    cvt: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    k8 = k_slot.load(cvt)
+    v8 = v_slot.load(cvt)
+    cta_barrier()
+    mbarrier.arrive(empty_bar)
+    k_stage.store(k8.to(k_stage.dtype))
+    v_stage.store(v8.to(v_stage.dtype))
+    fence_async_shared()
+    cta_barrier()
+
+
+@gluon.jit
 def _decode_compute_partition(
-    q_smem, k_smem, v_smem, q_bar, ready, empty, seq_len, split, num_splits, qk_scale,
-    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
+    q_smem, k_smem, v_smem, k_stage, v_stage, q_bar, ready, empty, sinks_ptr, kv_head, seq_len,
+    kv_lo, split, num_splits, c, cap2, inv_cap,
+    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
+    KV_FP8: gl.constexpr, USE_SOFTCAP: gl.constexpr, SINK_ROWS: gl.constexpr,
 ):  # fmt: skip
-    """(acc, m, l) of the split's tiles: unnormalized output, running max (base 2), sum."""
+    """(acc, m, l) of the split's tiles: unnormalized output, running max (base 2), sum.
+    SINK_ROWS: the rows start from their head's sink (max = the sink logit, sum = 1)."""
     NW: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16]
@@ -125,41 +188,53 @@ def _decode_compute_partition(
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    lo, hi, n_tiles = _split_range(seq_len, split, num_splits, BLOCK_N)
-    c = qk_scale * LOG2E
-    m_i = gl.full([ROWS], NEG_BIG, gl.float32, layout=s_rows)
-    l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+    lo, hi = _split_range(seq_len, kv_lo, split, num_splits, BLOCK_N)
+    if SINK_ROWS:
+        head = kv_head * GROUP + gl.arange(0, ROWS, layout=s_rows) % GROUP
+        m_i = gl.load(sinks_ptr + head).to(gl.float32) * LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, layout=s_rows)
+    else:
+        m_i = gl.full([ROWS], NEG_BIG, gl.float32, layout=s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
     acc = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
 
-    # Every tile but the sequence's last is whole; the last masks the keys past its end.
-    n_whole = gl.maximum(hi - lo - (hi == n_tiles).to(gl.int32), 0)  # an empty split: 0
     mbarrier.wait(q_bar, 0)
-    for i in range(0, n_whole):
+    for i in range(0, hi - lo):
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        acc, m_i, l_i = _attend_slot(q_smem, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, None, False)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
-    for i in range(n_whole, hi - lo):
-        slot = i % NUM_BUF
-        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        keep = ((lo + i) * BLOCK_N + offs_n0 < seq_len)[None, :]
-        acc, m_i, l_i = _attend_slot(q_smem, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, keep, True)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
+        if KV_FP8:
+            _stage_fp8_tile(k_smem.index(slot), v_smem.index(slot), k_stage, v_stage,
+                            empty.index(slot), HEAD)  # fmt: skip
+            k_tile = k_stage
+            v_tile = v_stage
+        else:
+            k_tile = k_smem.index(slot)
+            v_tile = v_smem.index(slot)
+        if _whole_tile(lo + i, kv_lo, seq_len, BLOCK_N):
+            acc, m_i, l_i = _attend_slot(q_smem, k_tile, v_tile, acc, m_i, l_i, c, s_zero, None,
+                                         False, cap2, inv_cap, USE_SOFTCAP)  # fmt: skip
+        else:
+            offs_n = (lo + i) * BLOCK_N + offs_n0
+            keep = ((offs_n >= kv_lo) & (offs_n < seq_len))[None, :]
+            acc, m_i, l_i = _attend_slot(q_smem, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep,
+                                         True, cap2, inv_cap, USE_SOFTCAP)  # fmt: skip
+        if not KV_FP8:
+            mbarrier.arrive(empty.index(slot))
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _merge_splits(
-    out_row, part_o_ptr, part_ml_ptr, pbase, kv_head, num_splits, stride_oh,
+    out_row, part_o_ptr, part_ml_ptr, sinks_ptr, pbase, kv_head, num_splits, stride_oh,
     GROUP: gl.constexpr, HEAD: gl.constexpr, MERGE_M: gl.constexpr, RED_SPLITS: gl.constexpr,
+    USE_SINKS: gl.constexpr,
 ):  # fmt: skip
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of this (sequence,
-    kv head), for its GROUP query heads; online over steps of RED_SPLITS splits. Loads bypass
-    L1 (.cg): the partials were written by other programs of this launch."""
+    kv head), for its GROUP query heads; online over steps of RED_SPLITS splits; a head's sink
+    joins the sum as one more term (max = the sink logit, sum = 1). Loads bypass L1 (.cg): the
+    partials were written by other programs of this launch."""
     NW: gl.constexpr = gl.num_warps()
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, NW, 1], [2, 1, 0])
     l_ms: gl.constexpr = gl.SliceLayout(2, l3)  # [MERGE_M, RED_SPLITS]
@@ -168,8 +243,13 @@ def _merge_splits(
     offs_s = gl.arange(0, RED_SPLITS, layout=gl.SliceLayout(0, l_ms))
     offs_d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
     r_ok = offs_r < GROUP
-    m_run = gl.full([MERGE_M], NEG_BIG, gl.float32, layout=gl.SliceLayout(1, l_ms))
-    l_run = gl.zeros([MERGE_M], gl.float32, layout=gl.SliceLayout(1, l_ms))
+    if USE_SINKS:
+        sink = gl.load(sinks_ptr + kv_head * GROUP + offs_r, mask=r_ok, other=0.0)
+        m_run = sink.to(gl.float32) * LOG2E
+        l_run = gl.full([MERGE_M], 1.0, gl.float32, layout=gl.SliceLayout(1, l_ms))
+    else:
+        m_run = gl.full([MERGE_M], NEG_BIG, gl.float32, layout=gl.SliceLayout(1, l_ms))
+        l_run = gl.zeros([MERGE_M], gl.float32, layout=gl.SliceLayout(1, l_ms))
     acc = gl.zeros([MERGE_M, HEAD], gl.float32, layout=l_md)
     rbase = pbase + offs_r.to(gl.int64) * num_splits  # row r's split 0
     for s0 in range(0, num_splits, RED_SPLITS):
@@ -209,7 +289,11 @@ def _decode_ws_kernel(
     part_o_ptr,  # [num_seqs, Hq, num_splits, D] fp32 workspace (if SPLIT)
     part_ml_ptr,  # [num_seqs, Hq, num_splits, 2] fp32 workspace: (m, l) in base 2
     counter_ptr,  # [num_seqs * Hkv] int32 workspace, zero between launches (if SPLIT)
+    sinks_ptr,  # [Hq] fp32 (read only if USE_SINKS)
+    k_scale_ptr,  # [1] fp32 (read only if KV_FP8)
+    v_scale_ptr,  # [1] fp32 (read only if KV_FP8)
     scale,
+    softcap,  # used only if USE_SOFTCAP
     num_splits,
     stride_qt,
     stride_qh,
@@ -232,6 +316,11 @@ def _decode_ws_kernel(
     MERGE_M: gl.constexpr,
     RED_SPLITS: gl.constexpr,
     HEAD_FAST: gl.constexpr,  # grid (Hkv, num_seqs, splits) instead of (num_seqs, Hkv, splits)
+    SLIDING_WINDOW: gl.constexpr,  # 0: off; else the query sees the last SLIDING_WINDOW keys
+    USE_SOFTCAP: gl.constexpr,
+    USE_SINKS: gl.constexpr,
+    KV_FP8: gl.constexpr,  # fp8 e4m3 cache, per-tensor scales; KV_VEC = 16
+    KV_VEC: gl.constexpr,  # cache elements per 16-byte copy
 ):
     if HEAD_FAST:
         kv_head = gl.program_id(0)
@@ -245,27 +334,48 @@ def _decode_ws_kernel(
     if q_len > 0:  # else a padding request (CUDA-graph batch padding): nothing to write
         seq_len = gl.load(seq_lens_ptr + seq)
         tok = q_start.to(gl.int64)
+        kv_lo = 0
+        if SLIDING_WINDOW > 0:
+            kv_lo = gl.maximum(seq_len - SLIDING_WINDOW, 0)
+        qk_scale = scale
+        if KV_FP8:
+            qk_scale = scale * gl.load(k_scale_ptr)  # value = stored * scale
+        c = qk_scale * LOG2E
+        cap2 = softcap * LOG2E
+        inv_cap = qk_scale / softcap
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_smem, k_smem, v_smem, q_bar, ready, empty = _allocate_ring(
-            q_ptr.dtype.element_ty, ROWS, BLOCK_N, HEAD, NUM_BUF, 1
+            dtype, ROWS, BLOCK_N, HEAD, NUM_BUF, 1, k_ptr.dtype.element_ty
         )
+        if KV_FP8:  # the compute warpgroup's converted tiles
+            stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD],
+                                                                              dtype)  # fmt: skip
+            k_stage = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD], stage_layout)
+            v_stage = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD], stage_layout)
+        else:
+            k_stage = q_smem  # unused
+            v_stage = q_smem
         acc, m_i, l_i = gl.warp_specialize(
             [
                 (
                     _decode_compute_partition,
-                    (q_smem, k_smem, v_smem, q_bar, ready, empty, seq_len, split, num_splits,
-                     scale, BLOCK_N, HEAD, NUM_BUF),
+                    (q_smem, k_smem, v_smem, k_stage, v_stage, q_bar, ready, empty, sinks_ptr,
+                     kv_head, seq_len, kv_lo, split, num_splits, c, cap2, inv_cap, GROUP,
+                     BLOCK_N, HEAD, NUM_BUF, KV_FP8, USE_SOFTCAP, USE_SINKS and not SPLIT),
                 ),
                 (
                     _decode_load_partition,
                     (q_ptr + tok * stride_qt, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem,
-                     q_bar, ready, empty, seq, seq_len, kv_head, split, num_splits, stride_qh,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                     stride_bt, GROUP, BLOCK_N, HEAD, PAGE, NUM_BUF),
+                     q_bar, ready, empty, seq, seq_len, kv_lo, kv_head, split, num_splits,
+                     stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                     stride_vh, stride_bt, GROUP, BLOCK_N, HEAD, PAGE, NUM_BUF, KV_VEC),
                 ),
             ],
             [LOAD_WARPS],
             [LOAD_REGS],
         )  # fmt: skip
+        if KV_FP8:
+            acc = acc * gl.load(v_scale_ptr)
 
         o_layout: gl.constexpr = acc.type.layout
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -290,8 +400,8 @@ def _decode_ws_kernel(
             if arrived == num_splits - 1:
                 pbase = (seq.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_splits
                 _merge_splits(
-                    out_ptr + tok * stride_ot, part_o_ptr, part_ml_ptr, pbase, kv_head,
-                    num_splits, stride_oh, GROUP, HEAD, MERGE_M, RED_SPLITS,
+                    out_ptr + tok * stride_ot, part_o_ptr, part_ml_ptr, sinks_ptr, pbase,
+                    kv_head, num_splits, stride_oh, GROUP, HEAD, MERGE_M, RED_SPLITS, USE_SINKS,
                 )  # fmt: skip
                 gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
         else:
@@ -312,9 +422,9 @@ def launch_decode_ws(
     config: DecodeConfig,
 ) -> None:
     """Launch the warp-specialized decode kernel (a decode-only batch, query_len <= 1; validated
-    arguments; `prefill_ws.supports` said yes; config from `plan.plan_launch`).
-    The workspace is read with splits only (`num_splits` > 1), as `decode.launch_decode`
-    reads it; the options are the scale (the kernel runs none of the others)."""
+    arguments; `supports` said yes; config from `plan.plan_launch`). The workspace is read
+    with splits only (`num_splits` > 1), as `decode.launch_decode` reads it; every option is
+    run as the Triton kernel runs it."""
     cu_seqlens_q, seq_lens, block_table = batch.cu_seqlens_q, batch.seq_lens, batch.block_table
     tile_n, num_splits, head_fast = config.tile_n, config.num_splits, config.head_fast
     num_seqs = seq_lens.shape[0]
@@ -324,6 +434,10 @@ def launch_decode_ws(
     split = num_splits > 1
     merge_m = next_pow2(group)
     red_splits = max(1, MERGE_STEP_ELEMENTS // (merge_m * head_size))
+    sinks, k_scale, v_scale = options.sinks, options.k_scale, options.v_scale
+    softcap = float(options.softcap)
+    kv_fp8 = key_cache.dtype == FP8_E4M3
+    # Unused pointer arguments get a valid tensor: the constexpr switches keep them unread.
     dummy = seq_lens
     grid = (
         (num_kv_heads, num_seqs, num_splits) if head_fast else (num_seqs, num_kv_heads, num_splits)
@@ -341,7 +455,11 @@ def launch_decode_ws(
         workspace.partial_out if split else dummy,
         workspace.partial_ml if split else dummy,
         workspace.counters if split else dummy,
+        sinks if sinks is not None else dummy,
+        k_scale if kv_fp8 else dummy,
+        v_scale if kv_fp8 else dummy,
         float(options.scale),
+        softcap if softcap > 0 else 1.0,
         num_splits,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
@@ -354,5 +472,10 @@ def launch_decode_ws(
         MERGE_M=merge_m,
         RED_SPLITS=red_splits,
         HEAD_FAST=head_fast,
+        SLIDING_WINDOW=options.window,
+        USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None,
+        KV_FP8=kv_fp8,
+        KV_VEC=16 // key_cache.element_size(),
         num_warps=4,
     )

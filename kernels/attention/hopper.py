@@ -3,7 +3,8 @@
 The kernels are Gluon programs (`decode_ws.py`, `prefill_ws.py`). They are off in a process
 whose Triton lacks Gluon's Hopper API, after one failed its start-up warm-up
 (`disable_hopper_kernels`), and for calls whose dtypes, head size, alignment or options they do
-not cover (`prefill_ws.supports`); the Triton kernels then take those batches.
+not cover (`prefill_ws.supports`, `decode_ws.supports`); the Triton kernels then take those
+batches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ if gluon_hopper_missing() is None:
 else:
     decode_ws = prefill_ws = None  # type: ignore[assignment]
 WS_HEAD_SIZES = prefill_ws.WS_HEAD_SIZES if prefill_ws is not None else ()
+DECODE_WS_HEAD_SIZES = decode_ws.HEAD_SIZES if decode_ws is not None else ()
 # Why the Hopper kernels are off in this process (None: the launch rule may pick them).
 _hopper_off: str | None = gluon_hopper_missing()
 
@@ -54,9 +56,18 @@ def warp_specialized_ok(
     softcap: float,
     has_sinks: bool,
 ) -> bool:
-    """Whether Hopper's warp-specialized kernels can run a call with these tensors and options
-    (`prefill_ws.supports`; False while `hopper_kernels_off`)."""
+    """Whether Hopper's warp-specialized prefill kernel can run a call with these tensors and
+    options (`prefill_ws.supports`; False while `hopper_kernels_off`); the decode kernel's
+    answer is `decode_warp_specialized_ok`."""
     return _hopper_off is None and prefill_ws.supports(
         q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
         has_sinks=has_sinks,
     )  # fmt: skip
+
+
+def decode_warp_specialized_ok(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> bool:
+    """Whether Hopper's warp-specialized decode kernel can run a call with these tensors, with
+    any window, soft cap or sinks (`decode_ws.supports`; False while `hopper_kernels_off`)."""
+    return _hopper_off is None and decode_ws.supports(q, key_cache, value_cache)

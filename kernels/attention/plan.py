@@ -278,10 +278,38 @@ WS_RULE_HEAD_SIZES = (128,)
 # warp-specialized decode kernel, one program per SM, splits = SMs // (sequences x kv heads),
 # 128-token tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton
 # kernel's 45.5 (attention-h200-2026-11-26-ws-decode.json).
-DECODE_WS_TILE = (128, 2)  # (tile_n, slots)
+DECODE_WS_TILE = (128, 2)  # (tile_n, slots) of a bf16/fp16 cache at head size <= 128
+# Tiles of the other caches the kernel runs (decode_ws_tile): head size 256 at 64 tokens (the
+# same bytes per slot); an fp8 cache at the same tokens with more slots (half the bytes each,
+# beside the two staging tiles of q's dtype).
+DECODE_WS_TILE_D256 = (64, 2)
+DECODE_WS_TILE_FP8 = (128, 4)
+DECODE_WS_TILE_FP8_D256 = (64, 3)
+# (head size, bytes per cache element) the rule gives the decode kernel: those measured
+# faster than the Triton kernel.
+DECODE_WS_RULE = frozenset({(128, 2), (256, 2), (128, 1), (256, 1)})
 DECODE_WS_ROWS = 64  # the compute tile: one wgmma warpgroup's rows, >= query heads per kv head
 DECODE_WS_MIN_SPLITS = 4
 DECODE_WS_MAX_SPLITS = 64
+
+
+def decode_ws_tile(head_size: int, kv_bytes: int) -> tuple[int, int]:
+    """(tile_n, slots) of the warp-specialized decode kernel for this head size and cache."""
+    if kv_bytes == 1:
+        return DECODE_WS_TILE_FP8_D256 if head_size > 128 else DECODE_WS_TILE_FP8
+    return DECODE_WS_TILE_D256 if head_size > 128 else DECODE_WS_TILE
+
+
+def decode_ws_smem_bytes(tile_n: int, head_size: int, slots: int, kv_bytes: int,
+                         q_bytes: int = 2) -> int:  # fmt: skip
+    """Shared memory of the warp-specialized decode kernel: the 64-row Q tile, `slots` K and V
+    tiles, and with an fp8 cache the two staging tiles of q's dtype (barriers not counted)."""
+    staging = 2 * tile_n * head_size * q_bytes if kv_bytes == 1 else 0
+    return (
+        DECODE_WS_ROWS * head_size * q_bytes + slots * 2 * tile_n * head_size * kv_bytes + (staging)
+    )
+
+
 PREFILL_HEAD_FAST = True
 # Short prefills: below PREFILL_MIN_PROGRAMS x SMs programs of the large tile, the 128-row tile
 # (twice the programs; 256-row tiles left SMs idle at 512-token prompts, docs/tuning/attention.md).
@@ -409,18 +437,22 @@ def plan_launch(
     kv_bytes: int = 2,
     max_smem: int = SMEM_PER_BLOCK_MAX,
     warp_specialized: bool = False,
+    decode_warp_specialized: bool | None = None,
 ) -> LaunchPlan:
     """Kernel configs of one call. Depends on shapes and static config only (CUDA graphs).
 
     kv_bytes: bytes per KV-cache element (2 for fp16/bf16, 1 for fp8). max_smem: shared memory
     per block of the device (`smem_per_block`). warp_specialized: the call's tensors and options
     can run Hopper's warp-specialized prefill kernel (`prefill_ws.supports`); long
-    prefills then take it. Memoized: every layer of a step asks the same question, and on the
-    eager (piecewise-graph) path vLLM runs attention in, host time per layer is step time.
+    prefills then take it. decode_warp_specialized: likewise for the decode kernel
+    (`decode_ws.supports`; None: as `warp_specialized`); small decode-only batches take it.
+    Memoized: every layer of a step asks the same question, and on the eager
+    (piecewise-graph) path vLLM runs attention in, host time per layer is step time.
     """
     return _plan_launch(
         num_seqs, num_q_heads, num_kv_heads, head_size, max_query_len, sms,
         split_room(workspace), kv_bytes, max_smem, warp_specialized,
+        warp_specialized if decode_warp_specialized is None else decode_warp_specialized,
     )  # fmt: skip
 
 
@@ -466,6 +498,7 @@ def _plan_launch(
     kv_bytes: int,
     max_smem: int,
     warp_specialized: bool,
+    decode_warp_specialized: bool,
 ) -> LaunchPlan:
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
@@ -493,9 +526,9 @@ def _plan_launch(
         num_stages=num_stages,
         head_fast=num_stages == DECODE_STAGES,
     )
-    if warp_specialized and max_query_len <= 1:
+    if decode_warp_specialized and max_query_len <= 1:
         decode = _decode_ws_config(decode, num_seqs, num_q_heads, num_kv_heads, head_size, sms,
-                                   workspace)  # fmt: skip
+                                   workspace, kv_bytes, max_smem)  # fmt: skip
     prefill = None
     if not decode_only:
         # Programs of the large tile, at most: every sequence as long as the longest query.
@@ -532,19 +565,49 @@ def _decode_ws_config(
     head_size: int,
     sms: int,
     workspace: SplitRoom | None,
+    kv_bytes: int,
+    max_smem: int,
 ) -> DecodeConfig:
-    """The warp-specialized decode kernel's config for a decode-only batch it suits (one
-    program per SM, at least DECODE_WS_MIN_SPLITS splits each), else `triton_config`."""
+    """`decode_ws_config` where the head size and cache are DECODE_WS_RULE's, else
+    `triton_config`."""
+    if (head_size, kv_bytes) not in DECODE_WS_RULE:
+        return triton_config
+    ws = decode_ws_config(num_seqs, num_q_heads, num_kv_heads, head_size, sms, workspace,
+                          kv_bytes, max_smem)  # fmt: skip
+    return triton_config if ws is None else ws
+
+
+def decode_ws_config(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    sms: int,
+    workspace: SplitRoom | AttentionWorkspace | None,
+    kv_bytes: int,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+) -> DecodeConfig | None:
+    """The warp-specialized decode kernel's config for a decode-only batch of this shape, or
+    None where it does not suit it: one program per SM with at least DECODE_WS_MIN_SPLITS
+    splits each, a workspace for them, at most DECODE_WS_ROWS query heads per kv head, the
+    tiles within `max_smem`. The rule takes it for the head sizes and caches of
+    DECODE_WS_RULE; the benchmarks time it everywhere it suits."""
+    if isinstance(workspace, AttentionWorkspace):
+        workspace = split_room(workspace)
     group = num_q_heads // num_kv_heads
     pairs = num_seqs * num_kv_heads
-    if workspace is None or head_size not in WS_RULE_HEAD_SIZES or group > DECODE_WS_ROWS:
-        return triton_config
+    tile_n, slots = decode_ws_tile(head_size, kv_bytes)
+    if (
+        workspace is None
+        or group > DECODE_WS_ROWS
+        or decode_ws_smem_bytes(tile_n, head_size, slots, kv_bytes) > max_smem
+    ):
+        return None
     # One query position per sequence.
     fit = workspace_splits(workspace, num_seqs * num_q_heads, head_size, pairs)
     splits = min(sms // pairs, fit, DECODE_WS_MAX_SPLITS)
     if splits < DECODE_WS_MIN_SPLITS:
-        return triton_config
-    tile_n, slots = DECODE_WS_TILE
+        return None
     return DecodeConfig(
         qpos=1, block_m=DECODE_WS_ROWS, tile_n=tile_n, num_splits=splits, max_q=0, num_warps=4,
         num_stages=slots, head_fast=False, warp_specialized=True,
@@ -561,6 +624,7 @@ def reachable_plans(
     kv_bytes: int = 2,
     max_smem: int = SMEM_PER_BLOCK_MAX,
     warp_specialized: bool = False,
+    decode_warp_specialized: bool | None = None,
 ) -> list[LaunchPlan]:
     """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
     (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
@@ -575,7 +639,7 @@ def reachable_plans(
                 num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 head_size=head_size, max_query_len=max_query_len, sms=sms,
                 workspace=workspace, kv_bytes=kv_bytes, max_smem=max_smem,
-                warp_specialized=warp_specialized,
+                warp_specialized=warp_specialized, decode_warp_specialized=decode_warp_specialized,
             )  # fmt: skip
             dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
             plan = dataclasses.replace(plan, decode=dec)

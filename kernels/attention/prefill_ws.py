@@ -83,8 +83,7 @@ def supports(
     softcap: float,
     has_sinks: bool,
 ) -> bool:
-    """Whether Hopper's warp-specialized kernels (this prefill kernel and
-    `decode_ws`'s) can run a call with these tensors and options."""
+    """Whether this prefill kernel can run a call with these tensors and options."""
     if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
         return False
     return (
@@ -210,20 +209,35 @@ def _copy_kv_tile(k_dst, v_dst, k_ptrs, v_ptrs, n_ok, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED: gl.constexpr):
+def _tanh(x):
+    """tanh as `decode._tanh` computes it: one exponential, saturating cleanly at +-1."""
+    return 1.0 - 2.0 / (gl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@gluon.jit
+def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED: gl.constexpr,
+                 cap2, inv_cap, USE_SOFTCAP: gl.constexpr):  # fmt: skip
     """Online-softmax update of (acc, m_i, l_i) by one K/V tile in shared memory: s = q k^T on
     wgmma (raw scores; MASKED: where not `keep`, -inf), p = 2^(c s - m_new) in fp32, acc rescaled,
-    then acc += p v on wgmma with p from registers. Waits for both products: the caller may
-    release the slot afterwards."""
+    then acc += p v on wgmma with p from registers. USE_SOFTCAP: the base-2 logits are
+    cap2 * tanh(s * inv_cap) instead (cap2 = softcap * log2(e), inv_cap = scale / softcap).
+    Waits for both products: the caller may release the slot afterwards."""
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
                                                  k_width=2)  # fmt: skip
     s = warpgroup_mma(q_rows, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    if MASKED:
-        s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * c)  # c > 0: max(c * s) = c * max(s)
-    p = gl.exp2(s * c - m_new[:, None])
+    if USE_SOFTCAP:
+        s = cap2 * _tanh(s * inv_cap)
+        if MASKED:
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+    else:
+        if MASKED:
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * c)  # c > 0: max(c * s) = c * max(s)
+        p = gl.exp2(s * c - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -270,14 +284,14 @@ def _compute_partition(
         slot = j % NUM_BUF
         mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
         acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, None, False)  # fmt: skip
+                                     l_i, c, s_zero, None, False, 1.0, 1.0, False)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
     for j in range(n_full, n_tiles):  # the diagonal: key <= the row's own position
         slot = j % NUM_BUF
         mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
         keep = (j * BLOCK_N + offs_n0)[None, :] <= q_abs[:, None]
         acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, keep, True)  # fmt: skip
+                                     l_i, c, s_zero, keep, True, 1.0, 1.0, False)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
 
     l_o = gl.convert_layout(l_i, o_rows)
@@ -296,16 +310,17 @@ def _compute_partition(
 @gluon.jit
 def _allocate_ring(
     dtype: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr,
-    NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr,
+    NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, KV_DTYPE: gl.constexpr,
 ):  # fmt: skip
-    """Shared memory of a warp-specialized program: the Q tile, NUM_BUF K and V slots (wgmma
-    operand layouts), and their barriers, initialized: `q_bar` and `ready[i]` complete when
-    every loader thread's copies have landed, `empty[i]` after CONSUMERS arrivals."""
+    """Shared memory of a warp-specialized program: the Q tile (`dtype`), NUM_BUF K and V slots
+    (`KV_DTYPE`; wgmma operand layouts), and their barriers, initialized: `q_bar` and
+    `ready[i]` complete when every loader thread's copies have landed, `empty[i]` after
+    CONSUMERS arrivals."""
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], KV_DTYPE)
     q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+    k_smem = gl.allocate_shared_memory(KV_DTYPE, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(KV_DTYPE, [NUM_BUF, BLOCK_N, HEAD], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -363,7 +378,7 @@ def _prefill_ws_kernel(
     if live:
         # `empty`: one arrival per compute warpgroup
         q_smem, k_smem, v_smem, q_bar, ready, empty = _allocate_ring(
-            q_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD, NUM_BUF, 2
+            q_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD, NUM_BUF, 2, q_ptr.dtype.element_ty
         )
         WG_ROWS: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize(

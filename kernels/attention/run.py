@@ -8,7 +8,7 @@ from . import hopper
 from .args import AttentionOptions, PagedBatch
 from .checks import _refuse_unrunnable_ws
 from .decode import launch_decode
-from .hopper import warp_specialized_ok
+from .hopper import decode_warp_specialized_ok, warp_specialized_ok
 from .plan import (
     AttentionWorkspace,
     LaunchPlan,
@@ -54,6 +54,7 @@ def warm_up(
         sms=sm_count(device), workspace=workspace, kv_bytes=key_cache.element_size(),
         max_smem=smem_per_block(device),
         warp_specialized=_warp_specialized_ok(probe, key_cache, value_cache, options),
+        decode_warp_specialized=decode_warp_specialized_ok(probe, key_cache, value_cache),
     )  # fmt: skip
     for plan in plans:
         q_len = plan.decode.qpos
@@ -133,6 +134,7 @@ def _run(
             kv_bytes=key_cache.element_size(),
             max_smem=smem_per_block(q.device),
             warp_specialized=_warp_specialized_ok(q, key_cache, value_cache, options),
+            decode_warp_specialized=decode_warp_specialized_ok(q, key_cache, value_cache),
         )
     else:
         _refuse_unrunnable_ws(plan, q, key_cache, value_cache, batch, options)

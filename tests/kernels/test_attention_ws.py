@@ -262,6 +262,84 @@ def test_ws_decode_padding_request_and_repeats():
     assert int(ws.counters.abs().sum()) == 0
 
 
+# The options and caches beyond bf16/fp16 at head size 128: (Hq, Hkv, D, block, kv dtype,
+# seq_lens, splits, options). Windows cut mid-tile, longer than the sequence, and with splits
+# (some empty); sinks with and without splits (the merge adds them); soft cap at Gemma's 50.
+FP8 = torch.float8_e4m3fn
+WS_DECODE_OPTION_CASES = [
+    (32, 8, 128, 16, FP8, [5000], 16, {}),
+    (32, 8, 128, 16, FP8, [1, 17, 700, 2047], 1, {}),
+    (8, 8, 64, 16, FP8, [129, 4100], 8, {}),
+    (16, 8, 256, 16, FP8, [3000, 33], 5, {}),
+    (16, 8, 256, 16, torch.bfloat16, [3000, 1, 64], 1, {}),
+    (16, 8, 256, 32, torch.bfloat16, [4097], 16, {}),
+    (32, 8, 128, 16, torch.bfloat16, [5000, 300, 1000], 8, dict(sliding_window=1000)),
+    (32, 8, 128, 16, torch.bfloat16, [90, 5000], 1, dict(sliding_window=130)),
+    (16, 8, 256, 16, torch.bfloat16, [2500, 40], 4, dict(softcap=50.0)),
+    (32, 8, 128, 16, torch.bfloat16, [3000, 2], 1, dict(sinks=True)),
+    (32, 8, 128, 16, torch.bfloat16, [3000, 2], 12, dict(sinks=True)),
+    (16, 8, 256, 16, FP8, [4000, 50], 6, dict(sliding_window=777, softcap=30.0, sinks=True)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "case",
+    WS_DECODE_OPTION_CASES,
+    ids=lambda c: (
+        f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-n{len(c[5])}-s{c[6]}-" + ",".join(sorted(c[7]))
+    ),
+)
+def test_ws_decode_options_and_caches_match_reference(case):
+    """fp8 caches (staged through registers), head sizes 64 / 256, sliding window, soft cap and
+    sinks in the warp-specialized decode kernel, at its rule's tile for the cache, with and
+    without splits; outputs against the reference, then repeated launches bit-identical."""
+    Hq, Hkv, D, bs, kv_dtype, seq_lens, splits, options = case
+    batch = make_batch(
+        [1] * len(seq_lens), seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D,
+        block_size=bs, q_dtype=torch.bfloat16, kv_dtype=kv_dtype, seed=sum(seq_lens) + D,
+    )  # fmt: skip
+    options = dict(options)
+    if options.pop("sinks", False):
+        gen = torch.Generator().manual_seed(D)
+        options["sinks"] = (torch.randn(Hq, generator=gen) * 2.0).to(DEVICE)
+    ws = workspace(Hq, D, max_splits=64, rows=8)
+    tile_n, slots = attn.decode_ws_tile(D, kv_dtype.itemsize)
+    plan = ws_decode_plan(batch, ws, num_splits=splits, tile_n=tile_n, num_stages=slots)
+    first = run_case(batch, workspace=ws, plan=plan, **options)
+    opts = attn.AttentionOptions(
+        batch["scale"], options.get("sliding_window"), options.get("softcap", 0.0),
+        options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"),
+    )  # fmt: skip
+    rows = batch["num_rows"]
+    for _ in range(5):
+        out = nan_out(batch["q"])
+        attn.run._run(batch["q"], batch["key_cache"], batch["value_cache"], out,
+                      paged_batch(batch), opts, ws, plan=plan)  # fmt: skip
+        assert torch.equal(out[:rows], first[:rows])
+
+
+def test_ws_decode_supports_its_caches_and_options():
+    """`decode_ws.supports`: fp8 and q-dtype caches at head sizes 64 / 128 / 256 on sm_90 (any
+    option: the options are not its to refuse); CPU tensors, other head sizes, mixed dtypes
+    never."""
+    from fuselane.kernels.attention import decode_ws
+
+    q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
+    assert not decode_ws.supports(q, kc, kc)
+    if HOPPER:
+        for d in (64, 128, 256):
+            qg = torch.empty(4, 8, d, dtype=torch.bfloat16, device=DEVICE)
+            kg = torch.empty(3, 16, 2, d, dtype=torch.bfloat16, device=DEVICE)
+            assert decode_ws.supports(qg, kg, kg)
+            assert decode_ws.supports(qg, kg.to(FP8), kg.to(FP8))
+        qg, kg = q.to(DEVICE), kc.to(DEVICE)
+        assert not decode_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96])
+        assert not decode_ws.supports(qg.half(), kg, kg)
+        assert not decode_ws.supports(qg, kg, kg.to(FP8))
+
+
 def test_ws_decode_plan_refused_for_a_mixed_batch():
     """The decode kernel's plan on a batch with prefill rows (or anywhere `supports` refuses,
     e.g. the CPU) raises, naming what it runs."""
@@ -391,9 +469,8 @@ def test_a_hopper_kernel_failing_at_warm_up_is_switched_off(monkeypatch, strict)
         launched.append(plan)
 
     monkeypatch.setattr(attn.run, "_run", run)
-    monkeypatch.setattr(
-        attn.run, "warp_specialized_ok", lambda *a, **k: attn.hopper_kernels_off() is None
-    )
+    for name in ("warp_specialized_ok", "decode_warp_specialized_ok"):
+        monkeypatch.setattr(attn.run, name, lambda *a, **k: attn.hopper_kernels_off() is None)
     monkeypatch.setattr(attn.hopper, "_hopper_off", None)
     monkeypatch.setattr(attn.run, "sm_count", lambda device: 132)
     batch = ws_batch(WS_CASES[0])
