@@ -1,0 +1,181 @@
+"""Decode split sweep (GPU): fuselane's two decode kernels at every split count a batch can take.
+
+The decode rule (`kernels/attention/plan.py`) picks a kernel, a schedule and a split count from
+the batch shape alone. This script measures what it chose against the alternatives on the
+`fuselane bench kernels` grid's decode shapes (uniform contexts, the grid's context for each
+batch size): the Triton kernel with its two schedules (3 stages, kv-head-fastest grid; 5
+stages, sequence-major) and Hopper's warp-specialized kernel (where it suits the batch), each
+at split counts from 1 up to the workspace's limit. Every point's output is checked against
+the reference before it is timed (CUDA-graph replay medians).
+
+    python -m fuselane.benchmarks.kernels.decode_split_sweep --out DIR [--model NAME ...]
+        [--batch B ...] [--kv fp8] [--budget SECONDS]
+
+Writes DIR/decode-split-sweep-<gpu>-<date>.json: device, versions, and per case the rule's
+plan and every point (kernel, stages, splits, µs, match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import time
+
+import torch
+
+from fuselane.benchmarks import harness
+from fuselane.benchmarks.kernels import attention_workload as aw
+from fuselane.benchmarks.kernels import family_script
+from fuselane.benchmarks.kernels.grid import MODELS, decode_context
+from fuselane.benchmarks.kernels.grid import _budget_tokens as budget_tokens_of_grid
+from fuselane.benchmarks.kernels.impls import generator
+from fuselane.kernels import attention as attn
+
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def plans_for(p: aw.Problem, ws: attn.AttentionWorkspace, rule: attn.LaunchPlan) -> list:
+    """Every (label, plan) to time: the rule's, then both kernels at each split count that fits
+    the workspace (the WS kernel only where `decode_ws_config` says it suits the batch)."""
+    q, kc = p.q, p.key_cache
+    shape = dict(
+        num_seqs=len(p.lens), num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
+        head_size=q.shape[2], sms=attn.sm_count(q.device), workspace=ws,
+        kv_bytes=kc.element_size(),
+    )  # fmt: skip
+    triton = attn.plan_launch(max_query_len=1, decode_warp_specialized=False, **shape).decode
+    room = attn.split_room(ws)
+    fit = attn.workspace_splits(
+        room, len(p.lens) * q.shape[1], attn.plan.next_pow2(q.shape[2]), len(p.lens) * kc.shape[2]
+    )
+    out = [("rule", rule)]
+    for stages, head_fast in ((attn.DECODE_STAGES, True), (attn.DECODE_STAGES_PIPELINED, False)):
+        for s in SPLITS:
+            if s <= fit:
+                dec = dataclasses.replace(
+                    triton, num_stages=stages, head_fast=head_fast, num_splits=s
+                )
+                out.append((f"triton s{stages}", attn.LaunchPlan(decode=dec, prefill=None)))
+    ws_dec = attn.decode_ws_config(**shape, max_smem=attn.smem_per_block(q.device))
+    if ws_dec is not None and attn.decode_warp_specialized_ok(q, kc, p.value_cache):
+        for s in SPLITS:
+            if s <= fit:
+                dec = dataclasses.replace(ws_dec, num_splits=s)
+                out.append(("ws", attn.LaunchPlan(decode=dec, prefill=None)))
+    return out
+
+
+def run_case(model: str, batch: int, ctx: int, kv: str, budget_end: float) -> dict:
+    m = MODELS[model]
+    kv_dtype = aw.FP8 if kv == "fp8" else aw.DTYPE
+    p = aw.make_problem(
+        [1] * batch, [ctx] * batch, generator(torch.device("cuda"), batch * 7919 + ctx),
+        hq=m.num_q_heads, hkv=m.num_kv_heads, d=m.head_size, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    opts = dict(scale=m.head_size**-0.5, sliding_window=m.sliding_window, softcap=m.softcap)
+    expected = aw.Expected(p, False, **opts)
+    ws = attn.AttentionWorkspace.allocate(
+        aw.WS_ROWS, m.num_q_heads, m.head_size, p.q.device, max_splits=aw.WS_SPLITS
+    )
+    a = p.args(**opts)
+    q, kc, vc = a["q"], a["key_cache"], a["value_cache"]
+    batch_ = attn.PagedBatch(a["cu_seqlens_q"], a["seq_lens"], a["block_table"], 1)
+    options = attn.AttentionOptions(
+        a["scale"], a["sliding_window"], a["softcap"], None, a["k_scale"], a["v_scale"]
+    )
+    rule = attn.plan_launch(
+        num_seqs=batch, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+        head_size=m.head_size, max_query_len=1, sms=attn.sm_count(q.device), workspace=ws,
+        kv_bytes=kc.element_size(), max_smem=attn.smem_per_block(q.device),
+        decode_warp_specialized=attn.decode_warp_specialized_ok(q, kc, vc),
+    )  # fmt: skip
+    nbytes = (
+        sum(n if m.sliding_window is None else min(n, m.sliding_window) for n in p.lens)
+        * m.num_kv_heads
+        * m.head_size
+        * 2
+        * kc.element_size()
+    )
+    points = []
+    for label, plan in plans_for(p, ws, rule):
+        if time.monotonic() > budget_end:
+            break
+        d = plan.decode
+        point = {
+            "label": label,
+            "kernel": "ws" if d.warp_specialized else "triton",
+            "stages": d.num_stages,
+            "splits": d.num_splits,
+            "tile_n": d.tile_n,
+        }
+        out = aw.nan_like(q)
+
+        def fn(plan=plan, out=out):
+            attn.run._run(q, kc, vc, out, batch_, options, ws, plan=plan)
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ok, detail = expected.check(out)
+        except Exception as e:  # noqa: BLE001 - a point that cannot run is recorded
+            ok, detail = False, repr(e)[:300]
+        point.update(ok=ok, detail=detail)
+        if ok:
+            ms, _ = family_script.time_graph_or_eager(fn, *family_script.loop_sizes(fn))
+            point["us"] = round(ms * 1e3, 2)
+            point["TBps"] = round(nbytes / (ms * 1e-3) / 1e12, 3)
+        points.append(point)
+    timed = [pt for pt in points if pt.get("us") is not None and pt["label"] != "rule"]
+    best = min(timed, key=lambda pt: pt["us"], default=None)
+    rule_us = next((pt.get("us") for pt in points if pt["label"] == "rule"), None)
+    print(
+        f"{model:16s} B={batch:<4d} ctx={ctx:<6d} kv={kv:4s} rule {rule_us} us "
+        f"({'ws' if rule.decode.warp_specialized else 'triton'} s{rule.decode.num_stages} "
+        f"splits={rule.decode.num_splits}); best {best and best['us']} us "
+        f"({best and best['label']} splits={best and best['splits']})",
+        flush=True,
+    )
+    return {
+        "model": model,
+        "batch": batch,
+        "ctx": ctx,
+        "kv": kv,
+        "bytes": nbytes,
+        "rule": dataclasses.asdict(rule.decode),
+        "points": points,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--model", action="append", choices=sorted(MODELS), default=None)
+    ap.add_argument("--batch", action="append", type=int, default=None)
+    ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later points skipped")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_split_sweep: needs a CUDA GPU")
+    end = time.monotonic() + args.budget
+    budget_tokens = budget_tokens_of_grid()
+    cases = []
+    for model in args.model or ["llama-3-8b"]:
+        for b in args.batch or DEFAULT_BATCHES:
+            if time.monotonic() > end:
+                break
+            cases.append(run_case(model, b, decode_context(b, budget_tokens), args.kv, end))
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = str(harness.device_info()["device"]).lower().replace(" ", "-")
+    path = args.out / f"decode-split-sweep-{gpu}-{datetime.date.today()}.json"
+    payload = {"device": harness.device_info(), "splits": SPLITS, "cases": cases}
+    path.write_text(json.dumps(payload, indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
