@@ -4,7 +4,11 @@ On the GPU machine, from the project root:
     source .peers/setup_device.sh
     python3 benchmarks/kernels/bench_sampling.py --out $OUT [--no-sweep]
 Here (no GPU), the check code alone on tiny shapes under the interpreter:
-    python benchmarks/kernels/bench_sampling.py --cpu-smoke
+    python benchmarks/kernels/bench_sampling.py --cpu-smoke [--one-launch-sweep]
+The one-launch sweep alone (B = 1..16 x V = 32000 / 32768 / 128256, top-p 0.95 alone and
+T=0.7 k=50 p=0.9: one launch at each chunk against two launches and FlashInfer; sets
+`plan.use_one_launch`; JSON `sampling_one_launch-*.json`):
+    python3 benchmarks/kernels/bench_sampling.py --one-launch-sweep --out $OUT
 
 Order of work, in one process on one device:
   1. ceilings: copy bandwidth (1 GiB), empty Triton kernel;
@@ -62,7 +66,11 @@ from fuselane.benchmarks.kernels.sampling_sections import (
     bench_case,
     flashinfer_peer,
 )
-from fuselane.benchmarks.kernels.sampling_sweep import run_profile, run_sweep
+from fuselane.benchmarks.kernels.sampling_sweep import (
+    run_one_launch_sweep,
+    run_profile,
+    run_sweep,
+)
 from fuselane.benchmarks.kernels.sampling_workload import ARITH, CASES, case_name
 from fuselane.kernels import sampling as smp
 
@@ -119,6 +127,12 @@ def main() -> int:
         action="store_true",
         help="only the per-kernel profile and the sweep (no checks, no peers; own JSON name)",
     )
+    ap.add_argument(
+        "--one-launch-sweep",
+        action="store_true",
+        help="only the one-launch sweep: one launch vs two vs FlashInfer at B <= 16 (own JSON "
+        "name); with --cpu-smoke, its checks on tiny shapes after the smoke checks",
+    )
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds before the sweep stops")
     ap.add_argument(
         "--arith",
@@ -140,6 +154,8 @@ def main() -> int:
     if args.cpu_smoke:
         run = Runner(None, torch.device("cpu"), t_start)
         run_checks(run, torch.Generator().manual_seed(0), small=True)
+        if args.one_launch_sweep:
+            run_one_launch_sweep(run, torch.Generator().manual_seed(1), small=True)
         print(f"cpu smoke: {'all PASS' if run.ok else 'FAILURES'} in {run.elapsed():.0f} s")
         return 0 if run.ok else 1
     if not torch.cuda.is_available():
@@ -149,6 +165,8 @@ def main() -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device=dev).manual_seed(1234)
     name = "sampling_tune" if args.tune else "sampling"
+    if args.one_launch_sweep:
+        name = "sampling_one_launch"
     report = harness.Report(name if args.arith == "triton" else f"{name}-arith-{args.arith}")
     report.notes.append(f"arith={args.arith}")
     ceilings = family_script.measure_ceilings(gemm=False)
@@ -160,6 +178,14 @@ def main() -> int:
     )
     run = Runner(report, dev, t_start, arith=args.arith)
     run.budget = args.budget
+    if args.one_launch_sweep:
+        fis = None if args.no_peers else flashinfer_peer(run)
+        family_script.run_sections(
+            [lambda: run_one_launch_sweep(run, gen, fis)], run.note, run.elapsed
+        )
+        print(f"wrote {report.write(args.out)}")
+        print(report.table())
+        return 0 if run.ok else 1
     if args.tune:
         for section in (run_profile, run_sweep):
             try:

@@ -74,9 +74,16 @@ V1 differs from V2 in ways the plugin must route: V1 draws exponential noise fro
 generators (draws cannot match bit for bit), keeps exactly k in its Triton top-k, and an
 all-greedy V1 batch returns processed logprobs without the top-k/top-p masks.
 
-Modules: `chunk` and `combine` (the two Triton kernels); `keys`, `tiles`, `search` and
-`penalties` (their building blocks); `params` (the argument bundles), `plan` (constants, launch
-rule), `workspace`, `checks`, `ops` (the entry points), `reference`.
+One launch (`row._sample_row_kernel`, grid (B,)) for small batches (`plan.use_one_launch`:
+B <= 8 and V <= 32768 until the GPU sweep says otherwise): one program per row does the chunk
+kernel's work over its row (the whole row as one chunk, held in registers, with a longer
+candidate list, `plan.row_launch`) and then the combine kernel's, with the same device
+functions (`chunk.chunk_partials`, `combine.combine_row`): the same kept sets and the same Gumbel
+draws, so the same tokens for the same seeds, in one launch and one program per row.
+
+Modules: `chunk` and `combine` (the two Triton kernels), `row` (the one-launch kernel); `keys`,
+`tiles`, `search` and `penalties` (their building blocks); `params` (the argument bundles),
+`plan` (constants, launch rules), `workspace`, `checks`, `ops` (the entry points), `reference`.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ from . import (
     penalties,
     plan,
     reference,
+    row,
     search,
     tiles,
     workspace,
@@ -124,8 +132,11 @@ from .plan import (
     TOPN_WIDTHS,
     chunk_warps_for,
     launch_batches,
+    launch_plan,
     pick_chunk,
     pick_launch,
+    row_launch,
+    use_one_launch,
 )
 from .reference import (
     apply_bias_reference,
@@ -179,6 +190,7 @@ __all__ = [
     "gumbel_noise_reference",
     "keys",
     "launch_batches",
+    "launch_plan",
     "ops",
     "pack_bin_mask",
     "params",
@@ -188,11 +200,14 @@ __all__ = [
     "plan",
     "process_logits_reference",
     "reference",
+    "row",
+    "row_launch",
     "sample_reference",
     "search",
     "tiles",
     "top_k_top_p_reference",
     "unpack_bin_mask",
+    "use_one_launch",
     "warm_up",
     "workspace",
 ]

@@ -21,7 +21,9 @@ _EMPTY = tl.constexpr(-(0x00800000 << 32))
 
 
 @triton.jit
-def _sample_chunk_kernel(
+def chunk_partials(
+    c,
+    row,
     logits_ptr,
     stride_row,
     V,
@@ -75,8 +77,9 @@ def _sample_chunk_kernel(
     NEED_RAW: tl.constexpr,
     RAW_CANDS: tl.constexpr,
     BIAS_BLOCK: tl.constexpr,
+    FINITE_GROUPS: tl.constexpr,
 ):
-    """Per-chunk partials. Grid (NC, B); program (c, b) reads logits[b, c*CHUNK:(c+1)*CHUNK]
+    """Per-chunk partials of chunk c of row `row` (int64): reads logits[row, c*CHUNK:(c+1)*CHUNK]
     once (logits: [B, V] fp32/bf16/fp16, stride 1 in V; parameters as in fused_sample).
 
     Writes at flat index i = b*NC + c, planes of PLANE entries: stf (fp32) 0 zmax,
@@ -85,8 +88,6 @@ def _sample_chunk_kernel(
     2 NaN count, 3 winner token, 4 finite z count, 5 finite raw count. Candidates:
     cand[i*CAP + j] int64 key(z) << 32 | token, in token order (rcand: raw values).
     """
-    c = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
     Q: tl.constexpr = CHUNK // 4
     (
         greedy,
@@ -227,6 +228,7 @@ def _sample_chunk_kernel(
         HAS_PEN,
         HAS_OUT_MASK,
         BIAS_BLOCK,
+        FINITE_GROUPS,
     )
     tl.store(stf_ptr + 0 * PLANE + idx, zmax)
     tl.store(stf_ptr + 1 * PLANE + idx, zsum)
@@ -276,6 +278,7 @@ def _sample_chunk_kernel(
                 HAS_PEN,
                 HAS_OUT_MASK,
                 BIAS_BLOCK,
+                FINITE_GROUPS,
             )
             tl.store(stf_ptr + 5 * PLANE + idx, rfloor)
             tl.store(sti_ptr + 1 * PLANE + idx, rcnt)
@@ -326,3 +329,121 @@ def _sample_chunk_kernel(
     tl.store(stf_ptr + 6 * PLANE + idx, wscore)
     tl.store(stf_ptr + 7 * PLANE + idx, wz)
     tl.store(sti_ptr + 3 * PLANE + idx, widx)
+
+
+@triton.jit
+def _sample_chunk_kernel(
+    logits_ptr,
+    stride_row,
+    V,
+    NC,
+    PLANE,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    minp_ptr,
+    rep_ptr,
+    freq_ptr,
+    pres_ptr,
+    slots_ptr,
+    pmask_ptr,
+    pmask_stride,
+    counts_ptr,
+    counts_stride,
+    omask_ptr,
+    omask_stride,
+    bcount_ptr,
+    btok_ptr,
+    bval_ptr,
+    b_stride,
+    seeds_ptr,
+    has_seed_ptr,
+    rseeds_ptr,
+    offsets_ptr,
+    stf_ptr,
+    sti_ptr,
+    cand_ptr,
+    rcand_ptr,
+    CHUNK: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    EXACT: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_TOPP: tl.constexpr,
+    HAS_MINP: tl.constexpr,
+    HAS_REP: tl.constexpr,
+    HAS_FREQ: tl.constexpr,
+    HAS_PRES: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    HAS_PEN: tl.constexpr,
+    HAS_OUT_MASK: tl.constexpr,
+    PEN_IN_PLACE: tl.constexpr,
+    BIT_STEPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEED_MODE: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    NEED_RAW: tl.constexpr,
+    RAW_CANDS: tl.constexpr,
+    BIAS_BLOCK: tl.constexpr,
+):
+    """Grid (NC, B): program (c, b) computes the partials of chunk c of row b
+    (`chunk_partials`)."""
+    chunk_partials(
+        tl.program_id(0),
+        tl.program_id(1).to(tl.int64),
+        logits_ptr,
+        stride_row,
+        V,
+        NC,
+        PLANE,
+        temp_ptr,
+        topk_ptr,
+        topp_ptr,
+        minp_ptr,
+        rep_ptr,
+        freq_ptr,
+        pres_ptr,
+        slots_ptr,
+        pmask_ptr,
+        pmask_stride,
+        counts_ptr,
+        counts_stride,
+        omask_ptr,
+        omask_stride,
+        bcount_ptr,
+        btok_ptr,
+        bval_ptr,
+        b_stride,
+        seeds_ptr,
+        has_seed_ptr,
+        rseeds_ptr,
+        offsets_ptr,
+        stf_ptr,
+        sti_ptr,
+        cand_ptr,
+        rcand_ptr,
+        CHUNK,
+        CAP,
+        SUB,
+        HAS_TEMP,
+        EXACT,
+        HAS_TOPK,
+        HAS_TOPP,
+        HAS_MINP,
+        HAS_REP,
+        HAS_FREQ,
+        HAS_PRES,
+        HAS_SLOTS,
+        HAS_PEN,
+        HAS_OUT_MASK,
+        PEN_IN_PLACE,
+        BIT_STEPS,
+        HAS_BIAS,
+        SEED_MODE,
+        HAS_OFFSETS,
+        NEED_RAW,
+        RAW_CANDS,
+        BIAS_BLOCK,
+        False,
+    )

@@ -22,13 +22,17 @@ from .plan import (
     FB_PIVOTS,
     FB_TILE,
     MIN_CHUNK,
+    ROW_FB_TILE,
     SURVIVORS,
     _next_pow2,
     _topn_width,
     chunk_warps_for,
     launch_batches,
     pick_launch,
+    row_launch,
+    use_one_launch,
 )
+from .row import _sample_row_kernel
 from .workspace import SamplingWorkspace
 
 
@@ -73,11 +77,14 @@ def _fused_sample_into_impl(
     maxnreg: int,
     pen_in_place: bool,
     exact_arith: bool,
+    one_launch: bool,
 ) -> None:
-    """Launch both kernels into the workspace tensors (see fused_sample). num_logprobs < 0:
-    no top-n. mode: 0 none, 1..4 = LOGPROBS_MODES. pen_in_place: the chunk kernel writes the
-    penalized values of seen tokens into `logits` first; both kernels then read them as
-    plain logits. exact_arith: the workspace's `arith` is "torch"."""
+    """Launch both kernels into the workspace tensors (see fused_sample), or with one_launch
+    the one-row-per-program kernel that does both kernels' work (`chunk`, `cap`, `chunk_warps`
+    its configuration, `plan.row_launch`). num_logprobs < 0: no top-n. mode: 0 none, 1..4 =
+    LOGPROBS_MODES. pen_in_place: the chunk kernel writes the penalized values of seen tokens
+    into `logits` first; both kernels then read them as plain logits. exact_arith: the
+    workspace's `arith` is "torch"."""
     B, V = logits.shape
     has_pen = (
         repetition_penalty is not None
@@ -151,27 +158,17 @@ def _fused_sample_into_impl(
         RAW_CANDS=raw_cands,
         BIAS_BLOCK=BIAS_BLOCK,
     )
-    extra = {"maxnreg": maxnreg} if maxnreg > 0 else {}
-    launch(
-        _sample_chunk_kernel,
-        (nc, B),
-        *args,
+    chunk_flags = dict(
         CHUNK=chunk,
         CAP=cap,
         SUB=max(MIN_CHUNK, chunk // 4),
         NEED_RAW=need_raw,
         PEN_IN_PLACE=pen_in_place,
         BIT_STEPS=sampling_penalties.BIT_STEPS if pen_in_place else 1,
-        num_warps=chunk_warps or chunk_warps_for(chunk),
-        **extra,
-        **flags,
     )
     nc_pad = _next_pow2(nc)
     tp = _topn_width(num_logprobs)  # the workspace's scratch holds its widest list a row
-    launch(
-        _sample_combine_kernel,
-        (B,),
-        *args,
+    outs = (
         token_ids,
         logprob,
         topn_ids,
@@ -182,18 +179,41 @@ def _fused_sample_into_impl(
         fallback_rows,
         scratch,
         max(0, num_logprobs),
-        NC_PAD=nc_pad,
-        CAP=cap,
-        MODE=mode,
-        TP=tp,
-        TOPN=topn,
-        NP=FB_PIVOTS,
+    )
+    combine_flags = dict(
+        NC_PAD=nc_pad, CAP=cap, MODE=mode, TP=tp, TOPN=topn, NP=FB_PIVOTS, KC=SURVIVORS, **flags
+    )
+    if one_launch:
+        launch(
+            _sample_row_kernel,
+            (B,),
+            *args,
+            *outs,
+            **{**chunk_flags, **combine_flags},  # the same CAP in both
+            FB_TILE=max(FB_TILE, min(chunk, ROW_FB_TILE)),
+            num_warps=chunk_warps,
+        )
+        return
+    extra = {"maxnreg": maxnreg} if maxnreg > 0 else {}
+    launch(
+        _sample_chunk_kernel,
+        (nc, B),
+        *args,
+        **chunk_flags,
+        num_warps=chunk_warps or chunk_warps_for(chunk),
+        **extra,
+        **flags,
+    )
+    launch(
+        _sample_combine_kernel,
+        (B,),
+        *args,
+        *outs,
+        **combine_flags,
         FB_TILE=FB_TILE,
-        KC=SURVIVORS,
         num_warps=4 if nc_pad * cap <= 2048 else 8,
         # two 8-warp programs per SM (a B=256 batch in one wave; ~30 bytes of spills)
         **({} if nc_pad * cap <= 2048 else {"maxnreg": COMBINE_MAXNREG}),
-        **flags,
     )
 
 
@@ -256,8 +276,10 @@ def fused_sample(
     """Process `logits [B, V]` (fp32/bf16/fp16, stride 1 in V) and sample one token per row.
 
     num_logprobs: None = no log-probabilities; 0 = the chosen token's; n > 0 = also the top n
-    (n <= 128). Two launches (plus one `random_` when some row has no seed), no host sync, no
-    allocation when `workspace` is given: the outputs are views into it.
+    (n <= 128). Two launches, or one for small batches (`plan.use_one_launch`; the workspace
+    can force either), plus one `random_` when some row has no seed; no host sync, no
+    allocation when `workspace` is given: the outputs are views into it. Both paths draw the
+    same tokens for the same seeds (the Gumbel noise is a function of seed, offset and token).
 
     logits_writable: the caller does not read `logits` afterwards (vLLM's V1 sampler penalizes
     its own fp32 logits in place too). With penalties on, fp32 logits, no logit bias and no raw
@@ -292,16 +314,24 @@ def fused_sample(
         and not p.has_bias  # vLLM biases before it penalizes
         and mode not in (1, 2)  # raw values are read from the logits
     )
-    chunk, warps, maxnreg = pick_launch(B, V, penalties=p.has_penalties and not in_place)
-    if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
-        chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
+    one = ws.one_launch
+    if one is None:  # the rule; a chunk override (tests, the sweep) means two launches
+        one = not ws.chunk and use_one_launch(B, V)
+    if one:
+        chunk, cap, warps = row_launch(V, ws.chunk or 0, ws.row_cap)
+        warps, maxnreg = ws.chunk_warps or warps, 0
+    else:
+        chunk, warps, maxnreg = pick_launch(B, V, penalties=p.has_penalties and not in_place)
+        cap = ws.cap
+        if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
+            chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
     if use_custom_op(logits):
         into = _fused_sample_into_pen_ if in_place else _fused_sample_into
     else:
         into = _fused_sample_into_impl
     into(
-        logits, *_fields(p, _PARAM_FIELDS), *_fields(ws, _WORKSPACE_ARGS), n, mode, chunk, ws.cap,
-        warps, maxnreg, in_place, ws.arith == "torch",
+        logits, *_fields(p, _PARAM_FIELDS), *_fields(ws, _WORKSPACE_ARGS), n, mode, chunk, cap,
+        warps, maxnreg, in_place, ws.arith == "torch", one,
     )  # fmt: skip
     return SampleOutput(
         token_ids=ws.token_ids[:B],

@@ -36,6 +36,44 @@ FB_PIVOTS = 16  # fallback key search: pivots per pass (4 bits of the key per pa
 BIAS_BLOCK = 16  # logit-bias entries loaded per step
 
 
+# One launch for small batches (`row._sample_row_kernel`, grid (B,)): one program per row runs
+# the chunk kernel's work over the row (chunks of up to ROW_CHUNK_MAX values held in registers,
+# in turn) and then the combine kernel's, with a barrier between, so a step pays one launch and
+# no second program's wait for the partials. Taken while the grid is at
+# most ONE_LAUNCH_MAX_BATCH rows and the row fits one chunk: a shape-only rule (the batch and
+# the vocabulary), so a CUDA graph captured for a batch shape keeps its path. The thresholds
+# are estimates, TO BE CONFIRMED BY THE GPU SWEEP (`bench_sampling.py --one-launch-sweep`:
+# B = 1..16 x V = 32000 / 32768 / 128256, one launch against two): the two-launch path spreads
+# a row over up to 32 programs, which must win once one SM per row is too few.
+ONE_LAUNCH_MAX_BATCH = 8
+ONE_LAUNCH_MAX_VOCAB = 32768
+# Values of a row held at once: 32 fp32 per thread at 16 warps. ptxas -v (sm_90a, here; T/k/p
+# variant): 16384 uses 128 registers with 72 bytes of spills, 8192 none, 32768 (the whole row at
+# once) ~600 bytes; the sweep times all three.
+ROW_CHUNK_MAX = 16384
+ROW_CAP = 2048  # upper bound of the candidates a one-launch chunk keeps (row_launch)
+ROW_WARPS_MAX = 16
+ROW_FB_TILE = 2048  # fallback pass tile of the one-launch kernel (16 warps: 4 per thread)
+
+
+def use_one_launch(batch: int, vocab: int) -> bool:
+    """Whether `fused_sample` samples a [batch, vocab] batch in one launch (the rule above)."""
+    return batch <= ONE_LAUNCH_MAX_BATCH and vocab <= ONE_LAUNCH_MAX_VOCAB
+
+
+def row_launch(vocab: int, chunk: int = 0, cap: int = 0) -> tuple[int, int, int]:
+    """(chunk, candidates per chunk, warps) of the one-launch kernel: the row as one power-of-two
+    chunk up to ROW_CHUNK_MAX (else chunks of that size, in turn); 1/16 of a chunk listed (a
+    median ~1450 values of a 32768 row: simulated on the benchmark's logits, T=0.7, the top-p
+    0.95 set of every row fits, <= 607 tokens; flatter rows take the exact fallback), at least
+    CAP; warps for 16 values per thread, at least 4 (the combine's list work), at most
+    ROW_WARPS_MAX.
+    `chunk` / `cap` override (tests, the sweep)."""
+    chunk = chunk or max(MIN_CHUNK, min(ROW_CHUNK_MAX, _next_pow2(vocab)))
+    cap = cap or min(ROW_CAP, max(CAP, chunk // 16))
+    return chunk, cap, max(4, min(ROW_WARPS_MAX, chunk // 512))
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -80,10 +118,18 @@ def pick_chunk(batch: int, vocab: int) -> int:
     return pick_launch(batch, vocab)[0]
 
 
+def launch_plan(batch: int, vocab: int) -> tuple[bool, tuple[int, int, int]]:
+    """(one launch?, its configuration): `row_launch` where `use_one_launch`, else
+    `pick_launch`."""
+    if use_one_launch(batch, vocab):
+        return True, row_launch(vocab)
+    return False, pick_launch(batch, vocab)
+
+
 def launch_batches(max_batch: int, vocab: int) -> list[int]:
-    """The smallest batch of each launch configuration `pick_launch` gives batches 1..max_batch
-    (at most three: the configuration changes only at two thresholds)."""
-    firsts: dict[tuple[int, int, int], int] = {}
+    """The smallest batch of each launch configuration `launch_plan` gives batches
+    1..max_batch (at most four: the configuration changes only at three thresholds)."""
+    firsts: dict[tuple[bool, tuple[int, int, int]], int] = {}
     for b in range(1, max_batch + 1):
-        firsts.setdefault(pick_launch(b, vocab), b)
+        firsts.setdefault(launch_plan(b, vocab), b)
     return sorted(firsts.values())

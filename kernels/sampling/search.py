@@ -61,6 +61,7 @@ def select_candidates(
     HAS_PEN: tl.constexpr,
     HAS_OUT_MASK: tl.constexpr,
     BIAS_BLOCK: tl.constexpr,
+    FINITE_GROUPS: tl.constexpr,
 ):
     """Store the largest values of a chunk (rows of 4 tokens from `start`, row maxima qmax [Q],
     -inf = absent; values are x if RAW else z) and return (count, floor).
@@ -73,12 +74,18 @@ def select_candidates(
     again (L1/L2 hits, the same elementwise processing, so bit-identical values) for the
     value-level cut and the compaction: the per-value work over the whole chunk is the row
     maxima, nothing else. out_ptr's CAP slots carry the row indices between the two steps.
+    FINITE_GROUPS: the cuts are the smallest finite super-group maxima (a whole row held as
+    one chunk is padded to a power of two: its last super-groups are empty, and their -inf
+    maxima would send every such row to the bisection).
     """
     SG_LO: tl.constexpr = min(max(CAP // 4, 1), Q)
     SG_HI: tl.constexpr = max(SG_LO // 2, 1)
     g_lo = tl.max(tl.reshape(qmax, [SG_LO, Q // SG_LO]), axis=1)
     g_hi = tl.max(tl.reshape(g_lo, [SG_HI, SG_LO // SG_HI]), axis=1)
     # cuts are finite (>= -FLT_MAX), so `v >= cut` never selects an absent value
+    if FINITE_GROUPS:
+        g_lo = tl.where(g_lo > float("-inf"), g_lo, float("inf"))
+        g_hi = tl.where(g_hi > float("-inf"), g_hi, float("inf"))
     c_lo = tl.maximum(tl.min(g_lo, axis=0), -3.4028234663852886e38)
     c_hi = tl.maximum(tl.min(g_hi, axis=0), -3.4028234663852886e38)
     c0 = c_lo

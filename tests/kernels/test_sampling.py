@@ -800,13 +800,14 @@ def test_warm_up_runs_each_parameter_set_at_each_configuration(monkeypatch):
 
 
 def test_logprob_counts_share_a_few_combine_variants(monkeypatch):
-    """The combine kernel's top-n width is the narrowest of TOPN_WIDTHS that holds the request:
-    1 to 8 logprobs run one compiled variant, 9 to 32 another (both compiled at start-up)."""
+    """The combine kernel's top-n width (the one-launch kernel's, which merges as it does) is
+    the narrowest of TOPN_WIDTHS that holds the request: 1 to 8 logprobs run one compiled
+    variant, 9 to 32 another (both compiled at start-up)."""
     seen = []
     real = smp.ops.launch
 
     def spy(fn, grid, *args, **kwargs):
-        if fn is smp.combine._sample_combine_kernel:
+        if fn in (smp.combine._sample_combine_kernel, smp.row._sample_row_kernel):
             seen.append(kwargs["TP"])
         return real(fn, grid, *args, **kwargs)
 
