@@ -125,7 +125,8 @@ def run_case(model: str, batch: int, ctx: int, kv: str, budget_end: float) -> di
             ok, detail = False, repr(e)[:300]
         point.update(ok=ok, detail=detail)
         if ok:
-            ms, _ = family_script.time_graph_or_eager(fn, *family_script.loop_sizes(fn))
+            calls, reps = family_script.loop_sizes(fn)
+            ms, _ = family_script.time_graph_or_eager(fn, calls_per_graph=calls, reps=reps)
             point["us"] = round(ms * 1e3, 2)
             point["TBps"] = round(nbytes / (ms * 1e-3) / 1e12, 3)
         points.append(point)

@@ -54,6 +54,33 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
+# An fp8 cache meets a bf16 q in fp16: e4m3 -> fp16 is one conversion instruction per two values
+# on sm_89+ (cvt.rn.f16x2.e4m3x2, exact), e4m3 -> bf16 three (through fp16 and fp32), and those
+# conversions, not memory, had set the fp8 decode kernel's speed (~40% of the copy ceiling on an
+# H200, benchmarks/results/kernels-h200-2026-11-26-part2-decode_fp8-before.json). q is scaled by
+# FP8_Q_SCALE on the way (|q| up to 2^23 stays finite; values below 2^-6 lose only bits far
+# below bf16's own rounding) and the logit scale by its inverse; P meets V in fp16 as well.
+FP8_Q_SCALE = tl.constexpr(1.0 / 256.0)
+
+
+@triton.jit
+def _fp8_query(q):
+    """q as an fp8 cache's tiles meet it (see FP8_Q_SCALE): bf16 -> fp16 scaled, else q."""
+    if q.dtype == tl.bfloat16:
+        return (q.to(tl.float32) * FP8_Q_SCALE).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _fp8_logit_scale(scale, k_scale_ptr, q_dtype: tl.constexpr):
+    """The logit scale with k's per-tensor scale folded in (value = stored * scale) and, for a
+    bf16 q, `_fp8_query`'s scaling undone."""
+    qk_scale = scale * tl.load(k_scale_ptr)
+    if q_dtype == tl.bfloat16:
+        qk_scale = qk_scale / FP8_Q_SCALE
+    return qk_scale
+
+
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b with fp32 accumulation.
@@ -360,8 +387,8 @@ def _decode_kernel(
     qk_scale = scale
     if KV_FP8:
         # value = stored * scale: fold k's scale into the logit scale and v's into the output,
-        # the fp8 -> fp16/bf16 conversion itself is exact.
-        qk_scale = scale * tl.load(k_scale_ptr)
+        # the fp8 -> fp16 conversion itself is exact.
+        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, q_ptr.dtype.element_ty)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -404,6 +431,8 @@ def _decode_kernel(
             mask=d_ok[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            q = _fp8_query(q)
         q_abs = ctx + pos  # absolute position of each row's query token
         a_lo = ctx + c * QPOS  # first and last query token of the chunk
         a_hi = ctx + tl.minimum(c * QPOS + QPOS, q_len) - 1

@@ -50,6 +50,13 @@ DEFAULT_MAX_SPLITS = 64
 # kernel at B=64; H200, run 2, 2026-11-21).
 NO_SPLIT_CTAS_PER_SM = 2
 PROGRAM_OVERHEAD = 0.02
+# ... and a batch of at least NO_SPLIT_MIN_PAIRS_PER_SM * SMs pairs does not split either: once
+# most SMs hold a program, HBM bandwidth, not the SMs, is what they share, and splits only add
+# partials and their merge. H200, Triton kernel (decode-split-sweep-h200-2026-11-26.json):
+# 64 pairs (Llama-3-8B B=8) 104 us at 4 splits against 205 unsplit; 96 pairs (Qwen2.5-7B B=24)
+# 58 us unsplit (5 stages) against 74 at the cost model's 8 splits; 192 pairs (B=24 / 48) 103
+# and 56 us unsplit against 114 and 73 at 4 splits.
+NO_SPLIT_MIN_PAIRS_PER_SM = 0.5
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
@@ -277,7 +284,11 @@ WS_RULE_HEAD_SIZES = (128,)
 # Hopper, decode-only batches too small to fill the GPU (B <= 4 at Hkv=8 on 132 SMs): the
 # warp-specialized decode kernel, one program per SM, splits = SMs // (sequences x kv heads),
 # 128-token tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton
-# kernel's 45.5 (attention-h200-2026-11-26-ws-decode.json).
+# kernel's 45.5 (attention-h200-2026-11-26-ws-decode.json). Not beyond DECODE_WS_MAX_SPLITS
+# splits (fewer than 8 pairs): its one merging program then reads too many partials in turn
+# (Llama-3-70B at TP 8, one kv head, B=1: 37.8 us at 64 splits, 32.0 at its best 24, against
+# the Triton kernel's 21.9 at 64; Qwen2.5-7B B=1: 39.3 against 31.4;
+# decode-split-sweep-h200-2026-11-26.json).
 DECODE_WS_TILE = (128, 2)  # (tile_n, slots) of a bf16/fp16 cache at head size <= 128
 # Tiles of the other caches the kernel runs (decode_ws_tile): head size 256 at 64 tokens (the
 # same bytes per slot); an fp8 cache at the same tokens with more slots (half the bytes each,
@@ -286,11 +297,14 @@ DECODE_WS_TILE_D256 = (64, 2)
 DECODE_WS_TILE_FP8 = (128, 4)
 DECODE_WS_TILE_FP8_D256 = (64, 3)
 # (head size, bytes per cache element) the rule gives the decode kernel: those measured
-# faster than the Triton kernel.
-DECODE_WS_RULE = frozenset({(128, 2), (256, 2), (128, 1), (256, 1)})
+# faster than the Triton kernel in the grid's own runs (fuselane-ws / fuselane-triton rows,
+# kernels-h200-2026-11-26-part1-decode.json): bf16 D=128 (Llama 1.06-1.12x, Mistral's
+# window 1.20-1.40x, Qwen2.5 1.09-1.12x) and D=256 (Gemma-2 with soft cap 1.01-1.08x). Not
+# fp8: staging through registers ran at 0.52-0.76x the Triton kernel (...-part2-decode_fp8).
+DECODE_WS_RULE = frozenset({(128, 2), (256, 2)})
 DECODE_WS_ROWS = 64  # the compute tile: one wgmma warpgroup's rows, >= query heads per kv head
 DECODE_WS_MIN_SPLITS = 4
-DECODE_WS_MAX_SPLITS = 64
+DECODE_WS_MAX_SPLITS = 16
 
 
 def decode_ws_tile(head_size: int, kv_bytes: int) -> tuple[int, int]:
@@ -408,13 +422,13 @@ def _num_splits(
     """Split count from the batch shape, the program slots and the workspace (never lengths).
 
     Examples at Hkv=8 on 132 SMs, two decode programs per SM (bf16, D=128, 264 slots): B=1 ->
-    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B=16 -> 2 (256
-    programs), B=20 -> 3 (160 programs would fill one wave to 61%), B >= 32 -> 1.
+    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B >= 9 (72
+    pairs, NO_SPLIT_MIN_PAIRS_PER_SM) -> 1.
     """
     if workspace is None:
         return 1
     pairs = num_seqs * num_kv_heads
-    if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
+    if pairs >= NO_SPLIT_CTAS_PER_SM * sms or pairs >= NO_SPLIT_MIN_PAIRS_PER_SM * sms:
         return 1
     fit = workspace_splits(workspace, rows * num_q_heads, next_pow2(head_size), pairs)
     best, best_cost = 1, split_cost(pairs, 1, slots)
@@ -588,9 +602,9 @@ def decode_ws_config(
     max_smem: int = SMEM_PER_BLOCK_MAX,
 ) -> DecodeConfig | None:
     """The warp-specialized decode kernel's config for a decode-only batch of this shape, or
-    None where it does not suit it: one program per SM with at least DECODE_WS_MIN_SPLITS
-    splits each, a workspace for them, at most DECODE_WS_ROWS query heads per kv head, the
-    tiles within `max_smem`. The rule takes it for the head sizes and caches of
+    None where it does not suit it: one program per SM with DECODE_WS_MIN_SPLITS to
+    DECODE_WS_MAX_SPLITS splits each, a workspace for them, at most DECODE_WS_ROWS query heads
+    per kv head, the tiles within `max_smem`. The rule takes it for the head sizes and caches of
     DECODE_WS_RULE; the benchmarks time it everywhere it suits."""
     if isinstance(workspace, AttentionWorkspace):
         workspace = split_room(workspace)
@@ -605,8 +619,8 @@ def decode_ws_config(
         return None
     # One query position per sequence.
     fit = workspace_splits(workspace, num_seqs * num_q_heads, head_size, pairs)
-    splits = min(sms // pairs, fit, DECODE_WS_MAX_SPLITS)
-    if splits < DECODE_WS_MIN_SPLITS:
+    splits = min(sms // pairs, fit)
+    if not DECODE_WS_MIN_SPLITS <= splits <= DECODE_WS_MAX_SPLITS:
         return None
     return DecodeConfig(
         qpos=1, block_m=DECODE_WS_ROWS, tile_n=tile_n, num_splits=splits, max_q=0, num_warps=4,

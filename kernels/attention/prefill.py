@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch, next_pow2
-from .decode import LOG2E, NEG_BIG, _attend_range, layout_strides
+from .decode import LOG2E, NEG_BIG, _attend_range, _fp8_logit_scale, _fp8_query, layout_strides
 
 if TYPE_CHECKING:
     from .args import AttentionOptions, PagedBatch
@@ -111,7 +111,7 @@ def _prefill_kernel(
 
     qk_scale = scale
     if KV_FP8:
-        qk_scale = scale * tl.load(k_scale_ptr)
+        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, q_ptr.dtype.element_ty)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -129,6 +129,8 @@ def _prefill_kernel(
         mask=d_ok[None, :],
         other=0.0,
     )
+    if KV_FP8:
+        q = _fp8_query(q)
     q_abs = ctx + pos
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
