@@ -64,19 +64,19 @@ FP8_Q_SCALE = tl.constexpr(1.0 / 256.0)
 
 
 @triton.jit
-def _fp8_query(q):
-    """q as an fp8 cache's tiles meet it (see FP8_Q_SCALE): bf16 -> fp16 scaled, else q."""
-    if q.dtype == tl.bfloat16:
-        return (q.to(tl.float32) * FP8_Q_SCALE).to(tl.float16)
+def _fp8_query(q, Q_BF16: tl.constexpr):
+    """q as an fp8 cache's tiles meet it (see FP8_Q_SCALE): a bf16 q (Q_BF16) in fp16, scaled."""
+    if Q_BF16:
+        q = (q.to(tl.float32) * FP8_Q_SCALE).to(tl.float16)
     return q
 
 
 @triton.jit
-def _fp8_logit_scale(scale, k_scale_ptr, q_dtype: tl.constexpr):
+def _fp8_logit_scale(scale, k_scale_ptr, Q_BF16: tl.constexpr):
     """The logit scale with k's per-tensor scale folded in (value = stored * scale) and, for a
     bf16 q, `_fp8_query`'s scaling undone."""
     qk_scale = scale * tl.load(k_scale_ptr)
-    if q_dtype == tl.bfloat16:
+    if Q_BF16:
         qk_scale = qk_scale / FP8_Q_SCALE
     return qk_scale
 
@@ -384,11 +384,12 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # keys before the first query token
 
+    Q_BF16: tl.constexpr = q_ptr.dtype.element_ty == tl.bfloat16
     qk_scale = scale
     if KV_FP8:
         # value = stored * scale: fold k's scale into the logit scale and v's into the output,
         # the fp8 -> fp16 conversion itself is exact.
-        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, q_ptr.dtype.element_ty)
+        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, Q_BF16)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -432,7 +433,7 @@ def _decode_kernel(
             other=0.0,
         )
         if KV_FP8:
-            q = _fp8_query(q)
+            q = _fp8_query(q, Q_BF16)
         q_abs = ctx + pos  # absolute position of each row's query token
         a_lo = ctx + c * QPOS  # first and last query token of the chunk
         a_hi = ctx + tl.minimum(c * QPOS + QPOS, q_len) - 1

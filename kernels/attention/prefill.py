@@ -109,9 +109,10 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
+    Q_BF16: tl.constexpr = q_ptr.dtype.element_ty == tl.bfloat16
     qk_scale = scale
     if KV_FP8:
-        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, q_ptr.dtype.element_ty)
+        qk_scale = _fp8_logit_scale(scale, k_scale_ptr, Q_BF16)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -130,7 +131,7 @@ def _prefill_kernel(
         other=0.0,
     )
     if KV_FP8:
-        q = _fp8_query(q)
+        q = _fp8_query(q, Q_BF16)
     q_abs = ctx + pos
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)

@@ -39,18 +39,22 @@ BIAS_BLOCK = 16  # logit-bias entries loaded per step
 # One launch for small batches (`row._sample_row_kernel`, grid (B,)): one program per row runs
 # the chunk kernel's work over the row (chunks of up to ROW_CHUNK_MAX values held in registers,
 # in turn) and then the combine kernel's, with a barrier between, so a step pays one launch and
-# no second program's wait for the partials. Taken while the grid is at
-# most ONE_LAUNCH_MAX_BATCH rows and the row fits one chunk: a shape-only rule (the batch and
-# the vocabulary), so a CUDA graph captured for a batch shape keeps its path. The thresholds
-# are estimates, TO BE CONFIRMED BY THE GPU SWEEP (`bench_sampling.py --one-launch-sweep`:
-# B = 1..16 x V = 32000 / 32768 / 128256, one launch against two): the two-launch path spreads
-# a row over up to 32 programs, which must win once one SM per row is too few.
+# no second program's wait for the partials. Taken while the grid is at most
+# ONE_LAUNCH_MAX_BATCH rows and the row fits one chunk: a shape-only rule (the batch and the
+# vocabulary), so a CUDA graph captured for a batch shape keeps its path. H200
+# (sampling_one_launch-h200-2026-11-26.json, T=0.7): at B <= 8, V = 32000 / 32768 one launch
+# takes 23-26 us with top-k 50 + top-p 0.9 and 24-26 us with top-p 0.95 alone, against two
+# launches' 11-22 us and 626-636 us (a top-p set larger than the two-launch candidate list
+# sends the combine kernel's single program per row through its exact fallback in 256-value
+# tiles; B=8 V=32000 T/k/p: 1024 us) and FlashInfer's 31-123 us. One launch is the rule there
+# for the worst case (never above 46 us); the goal of <= 12 us is not met by either path.
 ONE_LAUNCH_MAX_BATCH = 8
 ONE_LAUNCH_MAX_VOCAB = 32768
-# Values of a row held at once: 32 fp32 per thread at 16 warps. ptxas -v (sm_90a, here; T/k/p
-# variant): 16384 uses 128 registers with 72 bytes of spills, 8192 none, 32768 (the whole row at
-# once) ~600 bytes; the sweep times all three.
-ROW_CHUNK_MAX = 16384
+# Values of a row held at once: 32 fp32 per thread at 16 warps, the whole row up to 32768.
+# ptxas -v (sm_90a, T/k/p variant): 32768 spills ~600 bytes, 16384 72, 8192 none; measured
+# 32768 the fastest (24.2 / 23.3 us at B=1 V=32000 against 27.1 / 26.2 at 16384 and 36.8 /
+# 36.7 at 8192, same JSON).
+ROW_CHUNK_MAX = 32768
 ROW_CAP = 2048  # upper bound of the candidates a one-launch chunk keeps (row_launch)
 ROW_WARPS_MAX = 16
 ROW_FB_TILE = 2048  # fallback pass tile of the one-launch kernel (16 warps: 4 per thread)

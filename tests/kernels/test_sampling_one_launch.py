@@ -70,7 +70,8 @@ def test_rule_plan_and_workspace(monkeypatch):
     or one_launch=False take two; one_launch=True takes one at any shape, chunk by chunk."""
     assert smp.use_one_launch(8, 32768) and not smp.use_one_launch(9, 32000)
     assert not smp.use_one_launch(1, 32769)
-    assert smp.row_launch(32000) == (smp.plan.ROW_CHUNK_MAX, 1024, 16)
+    chunk_max = smp.plan.ROW_CHUNK_MAX
+    assert smp.row_launch(32000) == (chunk_max, min(smp.plan.ROW_CAP, chunk_max // 16), 16)
     assert smp.row_launch(1) == (smp.MIN_CHUNK, smp.CAP, 4)
     # the warm-up meets both paths: 1..8 one launch, 9.. two
     assert smp.launch_batches(16, 32000) == [1, 9]
