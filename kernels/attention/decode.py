@@ -64,10 +64,15 @@ FP8_Q_SCALE = tl.constexpr(1.0 / 256.0)
 
 
 @triton.jit
-def _fp8_query(q, Q_BF16: tl.constexpr):
-    """q as an fp8 cache's tiles meet it (see FP8_Q_SCALE): a bf16 q (Q_BF16) in fp16, scaled."""
+def _fp8_query(q, scale, Q_BF16: tl.constexpr):
+    """q as an fp8 cache's tiles meet it (see FP8_Q_SCALE): a bf16 q (Q_BF16) in fp16, scaled.
+
+    The multiplier is made a run-time value (`scale / scale`, scale > 0 and finite): with a
+    constant, LLVM rewrote fp16(fp32(q) * 2^-8) as fp16(q) * 2^-8 in half precision (exact
+    for a power of two, except that fp16(q) overflows first: NaN outputs for |q| > 65504 on an
+    H200), which is the overflow the scaling is there to avoid."""
     if Q_BF16:
-        q = (q.to(tl.float32) * FP8_Q_SCALE).to(tl.float16)
+        q = (q.to(tl.float32) * ((scale / scale) * FP8_Q_SCALE)).to(tl.float16)
     return q
 
 
@@ -433,7 +438,7 @@ def _decode_kernel(
             other=0.0,
         )
         if KV_FP8:
-            q = _fp8_query(q, Q_BF16)
+            q = _fp8_query(q, scale, Q_BF16)
         q_abs = ctx + pos  # absolute position of each row's query token
         a_lo = ctx + c * QPOS  # first and last query token of the chunk
         a_hi = ctx + tl.minimum(c * QPOS + QPOS, q_len) - 1

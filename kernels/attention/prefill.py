@@ -131,7 +131,7 @@ def _prefill_kernel(
         other=0.0,
     )
     if KV_FP8:
-        q = _fp8_query(q, Q_BF16)
+        q = _fp8_query(q, scale, Q_BF16)
     q_abs = ctx + pos
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
