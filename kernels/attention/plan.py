@@ -50,13 +50,11 @@ DEFAULT_MAX_SPLITS = 64
 # kernel at B=64; H200, run 2, 2026-11-21).
 NO_SPLIT_CTAS_PER_SM = 2
 PROGRAM_OVERHEAD = 0.02
-# ... and a batch of at least NO_SPLIT_MIN_PAIRS_PER_SM * SMs pairs does not split either: once
-# most SMs hold a program, HBM bandwidth, not the SMs, is what they share, and splits only add
-# partials and their merge. H200, Triton kernel (decode-split-sweep-h200-2026-11-26.json):
-# 64 pairs (Llama-3-8B B=8) 104 us at 4 splits against 205 unsplit; 96 pairs (Qwen2.5-7B B=24)
-# 58 us unsplit (5 stages) against 74 at the cost model's 8 splits; 192 pairs (B=24 / 48) 103
-# and 56 us unsplit against 114 and 73 at 4 splits.
-NO_SPLIT_MIN_PAIRS_PER_SM = 0.5
+# Measured and not taken (docs/tuning/attention.md): no split at all from SMs / 2 pairs on. It
+# won on uniform batches (Llama-3-8B B=24 103 us against 114 at 4 splits, Qwen2.5-7B B=48 56
+# against 73; decode-split-sweep-h200-2026-11-26.json) and lost up to 4x on ragged ones, where
+# one long sequence unsplit is the whole launch (Qwen2.5-7B B=48 chat-like contexts 231 us
+# against FlashInfer's 59; kernels-h200-2026-11-26-parts1-3.json).
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
@@ -422,13 +420,13 @@ def _num_splits(
     """Split count from the batch shape, the program slots and the workspace (never lengths).
 
     Examples at Hkv=8 on 132 SMs, two decode programs per SM (bf16, D=128, 264 slots): B=1 ->
-    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B >= 9 (72
-    pairs, NO_SPLIT_MIN_PAIRS_PER_SM) -> 1.
+    33 splits (one wave of 1024-token pieces at ctx 32k), B=2 -> 16, B=8 -> 4, B=16 -> 2 (256
+    programs), B=20 -> 3 (160 programs would fill one wave to 61%), B >= 32 -> 1.
     """
     if workspace is None:
         return 1
     pairs = num_seqs * num_kv_heads
-    if pairs >= NO_SPLIT_CTAS_PER_SM * sms or pairs >= NO_SPLIT_MIN_PAIRS_PER_SM * sms:
+    if pairs >= NO_SPLIT_CTAS_PER_SM * sms:
         return 1
     fit = workspace_splits(workspace, rows * num_q_heads, next_pow2(head_size), pairs)
     best, best_cost = 1, split_cost(pairs, 1, slots)

@@ -556,23 +556,24 @@ def test_split_rule_follows_batch_size():
     """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
     stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
     (132 slots). 5 stages only for a batch they run unsplit and fill the waves of clearly
-    better (B=9: 72 programs fill 55% of 132 slots, 27% of 264; B=16: 97% vs 48%; B=48: 97% vs
-    73%; B=4 would need splits: 3 stages). Splits only below NO_SPLIT_MIN_PAIRS_PER_SM x SMs
-    (sequence, kv head) pairs (B <= 8), as many as fill one wave (B=1: 33 x 8 = 264 programs)."""
+    better (B=16: 128 programs fill 97% of 132 slots, 48% of 264; B=48: 97% vs 73%; B=4 would
+    need splits: 3 stages); then as many splits as
+    fill one wave (B=1: 33 x 8 = 264 programs), none once the batch fills it, the split count
+    of least modelled time in between (B=20: 3 splits = 480 programs = two waves nearly full)."""
     ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
-    batches = (1, 2, 4, 8, 9, 16, 20, 32, 48, 64, 256)
+    batches = (1, 2, 4, 8, 16, 20, 32, 48, 64, 256)
     plans = [
         attn.plan_launch(num_seqs=b, num_q_heads=32, num_kv_heads=8, head_size=128,
                          max_query_len=1, sms=132, workspace=ws).decode
         for b in batches
     ]  # fmt: skip
-    assert [p.num_stages for p in plans] == [3, 3, 3, 3, 5, 5, 3, 3, 5, 3, 3]
-    assert [p.num_splits for p in plans] == [33, 16, 8, 4, 1, 1, 1, 1, 1, 1, 1]
+    assert [p.num_stages for p in plans] == [3, 3, 3, 3, 5, 3, 3, 5, 3, 3]
+    assert [p.num_splits for p in plans] == [33, 16, 8, 4, 1, 3, 1, 1, 1, 1]
     for b, p in zip(batches, plans, strict=True):
         assert (p.tile_n, p.num_warps, p.fused_reduce) == (128, 4, True)
         assert p.head_fast == (p.num_stages == attn.DECODE_STAGES)
         slots = 132 * (2 if p.num_stages == attn.DECODE_STAGES else 1)
-        if b * 8 < attn.NO_SPLIT_MIN_PAIRS_PER_SM * 132:
+        if b * 8 < slots:
             costs = [attn.split_cost(b * 8, s, slots) for s in range(1, 65)]
             assert costs[p.num_splits - 1] == min(costs)
     assert attn.wave_fill(128, 132) == 128 / 132 and attn.wave_fill(384, 264) == 384 / 528
