@@ -316,7 +316,8 @@ def fused_sample(
     )
     one = ws.one_launch
     if one is None:  # the rule; a chunk override (tests, the sweep) means two launches
-        one = not ws.chunk and use_one_launch(B, V)
+        top_p_only = p.top_p is not None and p.top_k is None
+        one = not ws.chunk and use_one_launch(B, V, top_p_only)
     if one:
         chunk, cap, warps = row_launch(V, ws.chunk or 0, ws.row_cap)
         warps, maxnreg = ws.chunk_warps or warps, 0
@@ -325,6 +326,14 @@ def fused_sample(
         cap = ws.cap
         if ws.chunk:  # an override (tests, the benchmark's sweep): its own warps / register cap
             chunk, warps, maxnreg = ws.chunk, ws.chunk_warps, ws.maxnreg
+    entries = B * cdiv(V, chunk)
+    if entries > ws.plane or entries * cap > ws.cand.numel():  # never written out of bounds
+        path = "one launch" if one else "two launches"
+        raise ValueError(
+            f"workspace: {path} of {B} rows x {V} logits needs {entries} (row, chunk) entries "
+            f"of {cap} candidates; it holds {ws.plane} and {ws.cand.numel()} candidates "
+            "(allocate it with the rule, or with one_launch for the path you force)"
+        )
     if use_custom_op(logits):
         into = _fused_sample_into_pen_ if in_place else _fused_sample_into
     else:
@@ -369,6 +378,25 @@ def _check_indices(p: SamplingParamsTensors, vocab: int) -> None:
 _WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
 
 
+def _warm_params(
+    template: SamplingParamsTensors, b: int, device: torch.device
+) -> SamplingParamsTensors:
+    """Parameters of a `b`-row warm-up call: the seed and slot arguments shaped as in
+    `template`, nothing else set."""
+
+    def zeros(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if t is None else torch.zeros(b, dtype=dtype, device=device)
+
+    return SamplingParamsTensors(
+        state_slots=zeros(template.state_slots, getattr(template.state_slots, "dtype", None)),
+        seeds=zeros(template.seeds, torch.int64),
+        has_seed=None
+        if template.has_seed is None
+        else torch.ones(b, dtype=torch.bool, device=device),
+        seed_offsets=zeros(template.seed_offsets, torch.int64),
+    )
+
+
 def warm_up(
     template: SamplingParamsTensors,
     workspace: SamplingWorkspace,
@@ -388,24 +416,14 @@ def warm_up(
     decides its launch configuration."""
     device, vocab = workspace.device, workspace.vocab
     calls = 0
-    for b in launch_batches(workspace.max_batch, vocab):
-        logits = torch.zeros(b, vocab, dtype=dtype, device=device)
-        rows = dict(device=device)
-        base = SamplingParamsTensors(
-            state_slots=None
-            if template.state_slots is None
-            else torch.zeros(b, dtype=template.state_slots.dtype, **rows),
-            seeds=None if template.seeds is None else torch.zeros(b, dtype=torch.int64, **rows),
-            has_seed=None if template.has_seed is None else torch.ones(b, dtype=torch.bool, **rows),
-            seed_offsets=None
-            if template.seed_offsets is None
-            else torch.zeros(b, dtype=torch.int64, **rows),
-        )
-        for fields in param_sets:
-            p = dataclasses.replace(base)
+    for fields in param_sets:
+        top_p_only = "top_p" in fields and "top_k" not in fields
+        for b in launch_batches(workspace.max_batch, vocab, top_p_only):
+            logits = torch.zeros(b, vocab, dtype=dtype, device=device)
+            p = _warm_params(template, b, device)
             for name in fields:
                 dt = torch.int32 if name == "top_k" else torch.float32
-                setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, **rows))
+                setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, device=device))
             fused_sample(
                 logits, p, workspace=workspace, num_logprobs=num_logprobs,
                 logprobs_mode=logprobs_mode,

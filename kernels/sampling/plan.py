@@ -50,6 +50,12 @@ BIAS_BLOCK = 16  # logit-bias entries loaded per step
 # for the worst case (never above 46 us); the goal of <= 12 us is not met by either path.
 ONE_LAUNCH_MAX_BATCH = 8
 ONE_LAUNCH_MAX_VOCAB = 32768
+# Top-p without top-k, whose kept set overflows the two-launch candidate list on flat rows,
+# also takes one launch at any vocabulary up to ONE_LAUNCH_TOP_P_MAX_BATCH rows (the host knows
+# it: vLLM passes no top-k tensor when no request asks for one). Same sweep, top-p 0.95 alone,
+# B <= 16: one launch 24-100 us at V = 32000 / 32768 / 128256 against two launches' 626-2894 us
+# and FlashInfer's 31-152 us. Larger batches are not measured.
+ONE_LAUNCH_TOP_P_MAX_BATCH = 16
 # Values of a row held at once: 32 fp32 per thread at 16 warps, the whole row up to 32768.
 # ptxas -v (sm_90a, T/k/p variant): 32768 spills ~600 bytes, 16384 72, 8192 none; measured
 # 32768 the fastest (24.2 / 23.3 us at B=1 V=32000 against 27.1 / 26.2 at 16384 and 36.8 /
@@ -60,8 +66,11 @@ ROW_WARPS_MAX = 16
 ROW_FB_TILE = 2048  # fallback pass tile of the one-launch kernel (16 warps: 4 per thread)
 
 
-def use_one_launch(batch: int, vocab: int) -> bool:
-    """Whether `fused_sample` samples a [batch, vocab] batch in one launch (the rule above)."""
+def use_one_launch(batch: int, vocab: int, top_p_only: bool = False) -> bool:
+    """Whether `fused_sample` samples a [batch, vocab] batch in one launch (the rule above);
+    `top_p_only`: the batch has top-p and no top-k."""
+    if top_p_only and batch <= ONE_LAUNCH_TOP_P_MAX_BATCH:
+        return True
     return batch <= ONE_LAUNCH_MAX_BATCH and vocab <= ONE_LAUNCH_MAX_VOCAB
 
 
@@ -122,18 +131,20 @@ def pick_chunk(batch: int, vocab: int) -> int:
     return pick_launch(batch, vocab)[0]
 
 
-def launch_plan(batch: int, vocab: int) -> tuple[bool, tuple[int, int, int]]:
+def launch_plan(
+    batch: int, vocab: int, top_p_only: bool = False
+) -> tuple[bool, tuple[int, int, int]]:
     """(one launch?, its configuration): `row_launch` where `use_one_launch`, else
     `pick_launch`."""
-    if use_one_launch(batch, vocab):
+    if use_one_launch(batch, vocab, top_p_only):
         return True, row_launch(vocab)
     return False, pick_launch(batch, vocab)
 
 
-def launch_batches(max_batch: int, vocab: int) -> list[int]:
+def launch_batches(max_batch: int, vocab: int, top_p_only: bool = False) -> list[int]:
     """The smallest batch of each launch configuration `launch_plan` gives batches
-    1..max_batch (at most four: the configuration changes only at three thresholds)."""
+    1..max_batch (at most five: the configuration changes only at four thresholds)."""
     firsts: dict[tuple[bool, tuple[int, int, int]], int] = {}
     for b in range(1, max_batch + 1):
-        firsts.setdefault(launch_plan(b, vocab), b)
+        firsts.setdefault(launch_plan(b, vocab, top_p_only), b)
     return sorted(firsts.values())

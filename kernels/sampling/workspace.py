@@ -10,7 +10,6 @@ from .plan import (
     CAP,
     MAX_LOGPROBS,
     MIN_CHUNK,
-    ONE_LAUNCH_MAX_BATCH,
     _topn_width,
     pick_chunk,
     row_launch,
@@ -87,9 +86,9 @@ class SamplingWorkspace:
         else:
             plane = max(b * cdiv(vocab, pick_chunk(b, vocab)) for b in range(1, max_batch + 1))
         # the one-launch kernel's rows: NC entries and NC * row cap candidates each
-        if one_launch is None:
-            rows = min(max_batch, ONE_LAUNCH_MAX_BATCH) if chunk is None else 0
-            rows = rows if use_one_launch(rows, vocab) else 0
+        if one_launch is None:  # the rule's largest one-launch batch (top-p alone: the most)
+            ones = [b for b in range(1, max_batch + 1) if use_one_launch(b, vocab, True)]
+            rows = max(ones, default=0) if chunk is None else 0
         else:
             rows = max_batch if one_launch else 0
         row_chunk, rcap, _ = row_launch(vocab, chunk or 0, row_cap or 0)

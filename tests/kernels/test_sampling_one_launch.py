@@ -66,8 +66,9 @@ def _both(x, prm, *, n=0, mode="processed_logprobs", expect_fb=None, **ws_kw):
 
 
 def test_rule_plan_and_workspace(monkeypatch):
-    """B <= 8 and V <= 32768 take one launch; a larger batch or vocabulary, a chunk override
-    or one_launch=False take two; one_launch=True takes one at any shape, chunk by chunk."""
+    """B <= 8 and V <= 32768 take one launch, and top-p without top-k up to 16 rows at any V;
+    a larger batch or vocabulary, a chunk override or one_launch=False take two;
+    one_launch=True takes one at any shape, chunk by chunk."""
     assert smp.use_one_launch(8, 32768) and not smp.use_one_launch(9, 32000)
     assert not smp.use_one_launch(1, 32769)
     chunk_max = smp.plan.ROW_CHUNK_MAX
@@ -94,6 +95,22 @@ def test_rule_plan_and_workspace(monkeypatch):
         ws = _ws(B, V, **kw)
         fused_sample(x[:B], sub, workspace=ws)
         assert seen == want, (B, kw, seen)
+    # top-p without top-k: one launch up to ONE_LAUNCH_TOP_P_MAX_BATCH rows at any vocabulary
+    # (V past ONE_LAUNCH_MAX_VOCAB: chunk by chunk), two beyond or with top-k; the host decides
+    # from which tensors the batch carries (B=10 here, past ONE_LAUNCH_MAX_BATCH)
+    assert smp.use_one_launch(16, 128256, top_p_only=True)
+    assert not smp.use_one_launch(17, 128256, top_p_only=True)
+    assert smp.launch_batches(32, 32000, top_p_only=True) == [1, 17]
+    wide = _logits(10, 2000, seed=5)
+    top_p = _params(10, top_p=torch.full((10,), 0.9), temperature=torch.full((10,), 0.8))
+    for B, fields, want in (
+        (10, ("top_p", "temperature"), ["_sample_row_kernel"]),
+        (10, ("temperature",), ["_sample_chunk_kernel", "_sample_combine_kernel"]),
+    ):
+        seen.clear()
+        sub = on_device(SamplingParamsTensors(**{k: getattr(top_p, k)[:B] for k in fields}))
+        fused_sample(wide[:B], sub, workspace=_ws(B, 2000))
+        assert seen == want, (B, fields, seen)
     # one launch with 128-value chunks: 3 chunks of 64 candidates a row, in its planes
     ws = _ws(9, 300, one_launch=True, chunk=128)
     assert ws.plane >= 9 * 3 and ws.cand.numel() >= 9 * 3 * 64
@@ -207,3 +224,14 @@ def test_vocab_of_one():
     prm = _params(2, temperature=torch.tensor([1.0, 0.0]), top_k=torch.tensor([1, 1]))
     out = _both(x, prm, n=1)
     assert out.token_ids.tolist() == [0, 0] and out.nan_rows.tolist() == [0, 1]
+
+
+def test_a_path_the_workspace_was_not_sized_for_is_refused(monkeypatch):
+    """A workspace sized for two launches, met by a one-launch call (here a rule patched to
+    take it): a ValueError naming the entries and candidates it needs, before any launch."""
+    ws = _ws(4, 3000, one_launch=False)
+    monkeypatch.setattr(smp.ops, "use_one_launch", lambda *a: True)
+    ws.one_launch = None  # back to the rule
+    prm = on_device(_params(4, top_p=torch.full((4,), 0.9)))
+    with pytest.raises(ValueError, match=r"one launch of 4 rows x 3000 logits needs 4 \(row"):
+        fused_sample(_logits(4, 3000, seed=1), prm, workspace=ws)
