@@ -4,15 +4,17 @@
 output (plugin/faults.py), with telemetry checking every call. Mirrored greedy requests then
 disagree and the numerical checks fail: the canary must roll the custom arm back.
 
-A probe first runs one in-process vLLM engine with the switch (a few seconds): while the
-plugin's kernels do not yet replace vLLM's on the CPU engine, the switch changes nothing and
-the module is skipped, saying so.
+The custom arm runs fuselane's kernels under Triton's interpreter, every call checked: slow next
+to stock, the more so when CI's other worker shares the two cores. So its first-response
+timeout is long (as in the shipped CPU config), mirrored copies ask for 4 tokens, and the
+dashboards get longer to show the run's shadow comparisons (the first complete some seconds
+after the rollback).
+
+(A probe used to run two in-process engines first, to skip the module while fuselane's
+attention did not replace vLLM's on the CPU engine; it does now, as tests/plugin/test_engine.py
+asserts, and a switch that changed nothing fails the rollback test here.)
 """
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -40,37 +42,10 @@ FAULT_ENV = {
     "FUSELANE_TELEMETRY_CHECK_RATE": "1.0",
     "FUSELANE_TELEMETRY_FLUSH_S": "0.5",
 }
-
-_PROBE = """
-import os, sys
-from vllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True)
-out = llm.generate(["every request writes the keys"], SamplingParams(temperature=0, max_tokens=8))
-print("TOKENS", list(out[0].outputs[0].token_ids))
-"""
-
-
-def _probe_tokens(model, env: dict) -> list[int]:
-    full = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        # An in-process engine imports Triton before plugins load: choose the interpreter first.
-        "TRITON_INTERPRET": "1",
-        **env,
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(model)],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"probe engine failed ({env}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("TOKENS ") :])
+# The shipped CPU config's 180 s is for whole answers under 8 clients; here requests ask for 8
+# tokens, one at a time (beside up to 8 mirrored copies of 4).
+FIRST_RESPONSE_TIMEOUT_S = 120.0
+PANELS_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +53,6 @@ def faulty_canary(tmp_path_factory, ray_metrics):
     from fuselane.serving.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    if _probe_tokens(model, FAULT_ENV) == _probe_tokens(model, {"FUSELANE_KERNELS": "none"}):
-        pytest.skip(
-            "FUSELANE_FAULT_INJECT=attention does not change the CPU engine's output yet "
-            "(fuselane's attention does not replace vLLM's on the CPU platform)"
-        )
     port = _free_port()
     ray.init(
         num_cpus=8,
@@ -97,6 +67,8 @@ def faulty_canary(tmp_path_factory, ray_metrics):
         cfg = _config(model, port, custom_env=FAULT_ENV)
         cfg["routing"]["weight"] = 0.5
         cfg["shadow"]["fraction"] = 1.0
+        cfg["shadow"]["max_tokens"] = 4
+        cfg["failover"]["first_response_timeout_s"] = FIRST_RESPONSE_TIMEOUT_S
         control.deploy(parse_config(cfg), wait_s=420)
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, trust_env=False)
         yield client
@@ -144,4 +116,5 @@ def test_dashboards_show_the_faulty_arm(faulty_canary, ray_metrics):
                 "canary-fault",
                 panels.load(uid),
                 scrape_interval_s=SCRAPE_INTERVAL_S,
+                timeout_s=PANELS_TIMEOUT_S,
             )
