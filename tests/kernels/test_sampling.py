@@ -66,9 +66,14 @@ def _params(B, *, seed=0, **kw) -> SamplingParamsTensors:
 
 def _ws(B, V, **kw) -> SamplingWorkspace:
     """torch's rounding by default: on a GPU too the kernel's values then equal the references'
-    bit for bit (test_both_roundings_run_and_agree_within_two_ulp covers Triton's)."""
+    bit for bit (test_both_roundings_run_and_agree_within_two_ulp covers Triton's). Two
+    launches by default (`one_launch=None`: the rule's path)."""
     kw.setdefault("max_logprobs", 8)
     kw.setdefault("arith", "torch")
+    # Two launches unless a test asks for another path: the rule's one launch for small batches
+    # has its own tests (test_sampling_one_launch.py, against this path and the reference),
+    # and under the interpreter it is several times slower on these tests' shapes.
+    kw.setdefault("one_launch", False)
     ws = SamplingWorkspace.allocate(B, V, DEVICE, **kw)
     # poison every output so a value the kernel forgot to write fails
     for t in (ws.logprob, ws.topn_logprobs, ws.kept_threshold):

@@ -92,7 +92,7 @@ def test_rule_plan_and_workspace(monkeypatch):
         seen.clear()
         sub = on_device(SamplingParamsTensors(**{k: v[:B] for k, v in prm.__dict__.items()
                                                   if v is not None}))  # fmt: skip
-        ws = _ws(B, V, **kw)
+        ws = _ws(B, V, one_launch=None, **kw)
         fused_sample(x[:B], sub, workspace=ws)
         assert seen == want, (B, kw, seen)
     # top-p without top-k: one launch up to ONE_LAUNCH_TOP_P_MAX_BATCH rows at any vocabulary
@@ -109,7 +109,7 @@ def test_rule_plan_and_workspace(monkeypatch):
     ):
         seen.clear()
         sub = on_device(SamplingParamsTensors(**{k: getattr(top_p, k)[:B] for k in fields}))
-        fused_sample(wide[:B], sub, workspace=_ws(B, 2000))
+        fused_sample(wide[:B], sub, workspace=_ws(B, 2000, one_launch=None))
         assert seen == want, (B, fields, seen)
     # one launch with 128-value chunks: 3 chunks of 64 candidates a row, in its planes
     ws = _ws(9, 300, one_launch=True, chunk=128)
