@@ -75,9 +75,10 @@ generators (draws cannot match bit for bit), keeps exactly k in its Triton top-k
 all-greedy V1 batch returns processed logprobs without the top-k/top-p masks.
 
 One launch (`row._sample_row_kernel`, grid (B,)) for small batches (`plan.use_one_launch`:
-B <= 8 and V <= 32768 until the GPU sweep says otherwise): one program per row does the chunk
-kernel's work over its row (the whole row as one chunk, held in registers, with a longer
-candidate list, `plan.row_launch`) and then the combine kernel's, with the same device
+B <= 8 and V <= 32768, and top-p without top-k up to 16 rows at any V, from the H200 sweep):
+one program per row does the chunk kernel's work over its row (up to 32768 values at a time,
+held in registers, with a longer candidate list, `plan.row_launch`) and then the combine
+kernel's, with the same device
 functions (`chunk.chunk_partials`, `combine.combine_row`): the same kept sets and the same Gumbel
 draws, so the same tokens for the same seeds, in one launch and one program per row.
 
