@@ -43,14 +43,15 @@ lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is
 all, since CUDA-graph replays change sequence lengths under a captured launch.
 
 Modules: `args` (the argument bundles `PagedBatch` and `AttentionOptions`, and the flat public
-signature), `plan` (launch rules and the workspace), `decode`, `prefill` (Triton kernels),
-`decode_ws`, `prefill_ws` (Hopper's Gluon kernels), `hopper` (whether those may run), `checks`,
-`run` (launching a plan, the start-up warm-up), `ops` (the entry points), `reference`.
+signature), `plan` (launch rules), `workspace` (the split-KV scratch), `decode`, `prefill`
+(Triton kernels), `decode_ws`, `prefill_ws` (Hopper's Gluon kernels), `hopper` (whether those
+may run), `checks`, `run` (launching a plan, the start-up warm-up), `ops` (the entry points),
+`reference`.
 """
 
 from __future__ import annotations
 
-from . import args, checks, hopper, ops, plan, reference, run
+from . import args, checks, hopper, ops, plan, reference, run, workspace
 from .args import AttentionOptions, PagedBatch
 from .checks import (
     check_supported,
@@ -86,7 +87,6 @@ from .plan import (
     DECODE_WS_ROWS,
     DECODE_WS_RULE,
     DECODE_WS_TILE,
-    DEFAULT_MAX_SPLITS,
     MAX_GQA_GROUP,
     MAX_GRID_YZ,
     NO_SPLIT_CTAS_PER_SM,
@@ -102,16 +102,13 @@ from .plan import (
     SMEM_PER_BLOCK_RESERVED,
     SMEM_PER_SM,
     SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_HEAD_SIZES,
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_Q_DTYPES,
     WAVE_FILL_MARGIN,
     WS_RULE_HEAD_SIZES,
-    AttentionWorkspace,
     DecodeConfig,
     LaunchPlan,
     PrefillConfig,
-    SplitRoom,
     decode_programs_per_sm,
     decode_schedules,
     decode_smem_bytes,
@@ -125,10 +122,8 @@ from .plan import (
     sm_count,
     smem_per_block,
     split_cost,
-    split_room,
     supported_head_sizes,
     wave_fill,
-    workspace_splits,
 )
 from .reference import (
     attention_reference,
@@ -136,6 +131,14 @@ from .reference import (
 )
 from .run import (
     warm_up,
+)
+from .workspace import (
+    DEFAULT_MAX_SPLITS,
+    SUPPORTED_HEAD_SIZES,
+    AttentionWorkspace,
+    SplitRoom,
+    split_room,
+    workspace_splits,
 )
 
 __all__ = [
@@ -220,5 +223,6 @@ __all__ = [
     "warm_up",
     "warp_specialized_ok",
     "wave_fill",
+    "workspace",
     "workspace_splits",
 ]

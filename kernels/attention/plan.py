@@ -16,10 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import FP8_E4M3, check_choice
+from .._checks import FP8_E4M3
 from .._launch import cdiv, next_pow2
-
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
+from .workspace import (
+    SUPPORTED_HEAD_SIZES,
+    AttentionWorkspace,
+    SplitRoom,
+    split_room,
+    workspace_splits,
+)
 
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 # fp32 is for exactness checks and the CPU engine (vLLM's fp32 runs give token-identical greedy
@@ -39,7 +44,6 @@ DECODE_MAX_QUERY_LEN = 8
 # Rows of a decode tile (query positions x group heads) are capped so its fp32 accumulator
 # stays in registers.
 DECODE_MAX_ROWS = 128
-DEFAULT_MAX_SPLITS = 64
 # Split-KV rule (shapes only; see _num_splits). A batch of at least NO_SPLIT_CTAS_PER_SM * SMs
 # (sequence, kv head) programs never splits (plugin/backend.py sizes its workspace from this).
 # Below that, the split count minimizes waves(s) * (1 / s + PROGRAM_OVERHEAD): waves of equal
@@ -64,66 +68,6 @@ MAX_GRID_YZ = 65535
 def supported_head_sizes() -> tuple[int, ...]:
     """Head sizes the kernels compile for (non-powers of two run in padded tiles)."""
     return SUPPORTED_HEAD_SIZES
-
-
-@dataclass(frozen=True)
-class AttentionWorkspace:
-    """Split-KV scratch, allocated once per engine and reused by every layer and step.
-
-    partial_out: [max_num_tokens * num_q_heads * max_splits * head_pad] fp32
-    partial_ml:  [max_num_tokens * num_q_heads * max_splits * 2] fp32 (running max, sum)
-    counters:    [max_num_tokens * num_q_heads] int32, zero between launches: the fused merge
-                 counts the finished splits of each (sequence, kv head) and resets its count
-
-    A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
-    positions, 1 for plain decode); when that does not fit, the call runs with fewer splits. The
-    fit depends on shapes only, so CUDA graphs stay valid.
-    """
-
-    partial_out: torch.Tensor
-    partial_ml: torch.Tensor
-    counters: torch.Tensor
-    max_num_tokens: int
-    num_q_heads: int
-    head_size: int
-    max_splits: int
-
-    @classmethod
-    def allocate(
-        cls,
-        max_num_tokens: int,
-        num_q_heads: int,
-        head_size: int,
-        device: torch.device,
-        max_splits: int = DEFAULT_MAX_SPLITS,
-    ) -> AttentionWorkspace:
-        """Allocate room for `max_num_tokens` split query rows of `num_q_heads` heads.
-
-        max_num_tokens: the most (sequences x query rows) a split launch should cover, e.g.
-        the largest decode batch that still leaves the GPU idle (4 * SMs / Hkv sequences) times
-        1 + num_speculative_tokens. Memory: max_num_tokens * num_q_heads * max_splits *
-        (next_pow2(head_size) + 2) * 4 bytes, plus max_num_tokens * num_q_heads * 4 bytes of
-        counters.
-        """
-        for name, value in (
-            ("max_num_tokens", max_num_tokens),
-            ("num_q_heads", num_q_heads),
-            ("max_splits", max_splits),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
-        rows = max_num_tokens * num_q_heads * max_splits
-        head_pad = next_pow2(head_size)
-        return cls(
-            partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
-            partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
-            counters=torch.zeros(max_num_tokens * num_q_heads, dtype=torch.int32, device=device),
-            max_num_tokens=max_num_tokens,
-            num_q_heads=num_q_heads,
-            head_size=head_size,
-            max_splits=max_splits,
-        )
 
 
 @dataclass(frozen=True)
@@ -372,39 +316,6 @@ def split_cost(pairs: int, splits: int, slots: int) -> float:
     1 / splits of a stream plus PROGRAM_OVERHEAD."""
     waves = math.ceil(pairs * splits / slots)
     return waves * (1.0 / splits + PROGRAM_OVERHEAD)
-
-
-@dataclass(frozen=True)
-class SplitRoom:
-    """What the split rule needs of a workspace: its buffer sizes (elements) and split cap."""
-
-    partial_out: int
-    partial_ml: int
-    counters: int
-    max_splits: int
-
-
-def split_room(workspace: AttentionWorkspace | None) -> SplitRoom | None:
-    if workspace is None:
-        return None
-    return SplitRoom(
-        workspace.partial_out.numel(),
-        workspace.partial_ml.numel(),
-        workspace.counters.numel(),
-        workspace.max_splits,
-    )
-
-
-def workspace_splits(workspace: SplitRoom, row_heads: int, head_pad: int, pairs: int) -> int:
-    """Most splits `workspace` holds the partials of (`row_heads` query rows x heads, each
-    `head_pad` wide) and the counters of (`pairs` (sequence, kv head) pairs) for; 1 if none."""
-    if workspace.counters < pairs:
-        return 1
-    return min(
-        workspace.partial_out // (row_heads * head_pad),
-        workspace.partial_ml // (row_heads * 2),
-        workspace.max_splits,
-    )
 
 
 def _num_splits(
