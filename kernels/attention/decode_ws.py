@@ -39,12 +39,11 @@ from .._triton_compat import async_load, cta_barrier
 from .decode import LOG2E, MERGE_STEP_ELEMENTS, NEG_BIG, layout_strides
 from .prefill_ws import (
     LOAD_WARPS,
-    _aligned,
     _allocate_ring,
     _attend_slot,
     _copy_kv_tile,
-    _is_sm90,
     _kv_tile_ptrs,
+    tensors_supported,
 )
 
 # Rows of the compute tile: one wgmma warpgroup's minimum, holding the kv head's query heads.
@@ -61,20 +60,9 @@ if TYPE_CHECKING:
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the kernel can run a decode call with these tensors, with any window, soft cap
-    or sinks: an sm_90 GPU, fp16/bf16 queries, a cache of q's dtype or fp8 e4m3, head size 64,
-    128 or 256, rows copied in 16-byte pieces (`prefill_ws._aligned`). The query heads per kv
-    head (at most 64) are the rule's to check."""
-    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
-        return False
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and key_cache.dtype in (q.dtype, FP8_E4M3)
-        and value_cache.dtype == key_cache.dtype
-        and q.shape[2] in HEAD_SIZES
-        and _aligned(key_cache)
-        and _aligned(value_cache)
-        and _aligned(q)
-    )
+    or sinks (`prefill_ws.tensors_supported`): a cache of q's dtype or fp8 e4m3, head size 64,
+    128 or 256. The query heads per kv head (at most 64) are the rule's to check."""
+    return tensors_supported(q, key_cache, value_cache, (q.dtype, FP8_E4M3), HEAD_SIZES)
 
 
 @gluon.jit

@@ -260,10 +260,10 @@ def decode_ws_smem_bytes(tile_n: int, head_size: int, slots: int, kv_bytes: int,
                          q_bytes: int = 2) -> int:  # fmt: skip
     """Shared memory of the warp-specialized decode kernel: the 64-row Q tile, `slots` K and V
     tiles, and with an fp8 cache the two staging tiles of q's dtype (barriers not counted)."""
+    q_tile = DECODE_WS_ROWS * head_size * q_bytes
+    ring = slots * 2 * tile_n * head_size * kv_bytes
     staging = 2 * tile_n * head_size * q_bytes if kv_bytes == 1 else 0
-    return (
-        DECODE_WS_ROWS * head_size * q_bytes + slots * 2 * tile_n * head_size * kv_bytes + (staging)
-    )
+    return q_tile + ring + staging
 
 
 PREFILL_HEAD_FAST = True

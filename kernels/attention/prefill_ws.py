@@ -74,6 +74,29 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
+def tensors_supported(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_dtypes: tuple[torch.dtype, ...],
+    head_sizes: tuple[int, ...],
+) -> bool:
+    """The tensor conditions both Hopper kernels share: an sm_90 GPU, fp16/bf16 queries, K and V
+    of one dtype among `cache_dtypes`, a head size among `head_sizes`, rows copied in 16-byte
+    pieces (`_aligned`)."""
+    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
+        return False
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and key_cache.dtype in cache_dtypes
+        and value_cache.dtype == key_cache.dtype
+        and q.shape[2] in head_sizes
+        and _aligned(key_cache)
+        and _aligned(value_cache)
+        and _aligned(q)
+    )
+
+
 def supports(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -83,20 +106,13 @@ def supports(
     softcap: float,
     has_sinks: bool,
 ) -> bool:
-    """Whether this prefill kernel can run a call with these tensors and options."""
-    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else 0)):
-        return False
+    """Whether this prefill kernel can run a call with these tensors and options: a cache of
+    q's dtype, head size 64 or 128, no window, soft cap or sinks."""
     return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and key_cache.dtype == q.dtype
-        and q.shape[2] in WS_HEAD_SIZES
-        and sliding_window == 0
+        sliding_window == 0
         and softcap == 0
         and not has_sinks
-        and value_cache.dtype == q.dtype
-        and _aligned(key_cache)
-        and _aligned(value_cache)
-        and _aligned(q)
+        and tensors_supported(q, key_cache, value_cache, (q.dtype,), WS_HEAD_SIZES)
     )
 
 

@@ -123,6 +123,10 @@ def _run(
     if num_seqs == 0 or q.shape[0] == 0:
         return
     if plan is None:
+        # Only the kernel this batch could take is asked about (the rule reads the decode flag
+        # for batches of one query position alone, the prefill flag for the others): one Hopper
+        # check per call, not two, on the path vLLM runs attention in eagerly.
+        one_position = batch.max_query_len <= 1
         plan = plan_launch(
             num_seqs=num_seqs,
             num_q_heads=q.shape[1],
@@ -133,8 +137,10 @@ def _run(
             workspace=workspace,
             kv_bytes=key_cache.element_size(),
             max_smem=smem_per_block(q.device),
-            warp_specialized=_warp_specialized_ok(q, key_cache, value_cache, options),
-            decode_warp_specialized=decode_warp_specialized_ok(q, key_cache, value_cache),
+            warp_specialized=not one_position
+            and _warp_specialized_ok(q, key_cache, value_cache, options),
+            decode_warp_specialized=one_position
+            and decode_warp_specialized_ok(q, key_cache, value_cache),
         )
     else:
         _refuse_unrunnable_ws(plan, q, key_cache, value_cache, batch, options)
