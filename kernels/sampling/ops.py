@@ -384,16 +384,14 @@ def _warm_params(
     """Parameters of a `b`-row warm-up call: the seed and slot arguments shaped as in
     `template`, nothing else set."""
 
-    def zeros(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if t is None else torch.zeros(b, dtype=dtype, device=device)
+    def like(t: torch.Tensor | None, fill: float, dtype: torch.dtype | None = None):
+        return None if t is None else torch.full((b,), fill, dtype=dtype or t.dtype, device=device)
 
     return SamplingParamsTensors(
-        state_slots=zeros(template.state_slots, getattr(template.state_slots, "dtype", None)),
-        seeds=zeros(template.seeds, torch.int64),
-        has_seed=None
-        if template.has_seed is None
-        else torch.ones(b, dtype=torch.bool, device=device),
-        seed_offsets=zeros(template.seed_offsets, torch.int64),
+        state_slots=like(template.state_slots, 0),
+        seeds=like(template.seeds, 0, torch.int64),
+        has_seed=like(template.has_seed, True, torch.bool),
+        seed_offsets=like(template.seed_offsets, 0, torch.int64),
     )
 
 
@@ -415,12 +413,21 @@ def warm_up(
     compile): which parameters a batch carries decides which variant runs, and the batch size
     decides its launch configuration."""
     device, vocab = workspace.device, workspace.vocab
+    # Top-p without top-k has its own one-launch batches (`plan.use_one_launch`).
+    batches = {
+        fields: launch_batches(
+            workspace.max_batch, vocab, "top_p" in fields and "top_k" not in fields
+        )
+        for fields in param_sets
+    }
     calls = 0
-    for fields in param_sets:
-        top_p_only = "top_p" in fields and "top_k" not in fields
-        for b in launch_batches(workspace.max_batch, vocab, top_p_only):
-            logits = torch.zeros(b, vocab, dtype=dtype, device=device)
-            p = _warm_params(template, b, device)
+    for b in sorted(set().union(*batches.values())):
+        logits = torch.zeros(b, vocab, dtype=dtype, device=device)
+        base = _warm_params(template, b, device)
+        for fields in param_sets:
+            if b not in batches[fields]:
+                continue
+            p = dataclasses.replace(base)
             for name in fields:
                 dt = torch.int32 if name == "top_k" else torch.float32
                 setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, device=device))
