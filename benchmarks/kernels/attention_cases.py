@@ -120,7 +120,7 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     m = case.shape
     q_lens, lens = case_lens(case)
     decode = case.section.startswith("decode")
-    hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_size
+    hq, d = m.num_q_heads, m.head_size
     cache_dtype = kv_dtype(case)
     pool = kv_pool(ctx, m, cache_dtype, case_pages(case))
     ws = ctx.keep(
@@ -147,8 +147,7 @@ def prepare(ctx: Context, case: Case) -> Prepared:
         )
     prep = Prepared(impls=[], extra=extra)
     if decode:
-        keys = sum(n if m.sliding_window is None else min(n, m.sliding_window) for n in lens)
-        prep.nbytes = keys * hkv * d * 2 * p.kv.element_size() + 2 * p.q.numel() * 2
+        prep.nbytes = aw.decode_bytes(p, m.sliding_window)
     else:
         pairs = sum(
             visible_pairs(q, n, m.sliding_window) for q, n in zip(q_lens, lens, strict=True)
@@ -201,16 +200,11 @@ def _other_decode_kernel(
     """fuselane's decode kernel that the launch rule did not pick for `p`, where both could run
     it: Hopper's warp-specialized kernel (`fuselane-ws`), or where the rule took that one, the
     Triton kernel (`fuselane-triton`). None where the warp-specialized kernel cannot run it."""
-    a = p.args(**opts)
-    q, kc, vc = a["q"], a["key_cache"], a["value_cache"]
+    q, kc, vc = p.q, p.key_cache, p.value_cache
     if not attn.decode_warp_specialized_ok(q, kc, vc):
         return None
-    shape = dict(
-        num_seqs=len(p.lens), num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
-        head_size=q.shape[2], sms=attn.sm_count(q.device), workspace=ws,
-        kv_bytes=kc.element_size(),
-    )  # fmt: skip
-    ws_decode = attn.decode_ws_config(**shape, max_smem=attn.smem_per_block(q.device))
+    shape = aw.plan_shape(p, ws)
+    ws_decode = attn.decode_ws_config(**shape)
     if ws_decode is None:
         return None
     rule = attn.plan_launch(max_query_len=1, decode_warp_specialized=True, **shape)
@@ -219,10 +213,7 @@ def _other_decode_kernel(
         plan = attn.plan_launch(max_query_len=1, decode_warp_specialized=False, **shape)
     else:
         name, plan = "fuselane-ws", attn.LaunchPlan(decode=ws_decode, prefill=None)
-    batch = attn.PagedBatch(a["cu_seqlens_q"], a["seq_lens"], a["block_table"], 1)
-    options = attn.AttentionOptions(
-        a["scale"], a["sliding_window"], a["softcap"], None, a["k_scale"], a["v_scale"]
-    )
+    batch, options = p.bundles(**opts)
     d = plan.decode
     extra = {"decode": f"splits={d.num_splits} tile={d.tile_n} s={d.num_stages}"}
 

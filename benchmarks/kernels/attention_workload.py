@@ -110,14 +110,18 @@ class Problem:
             **options,
         )
 
-    def bundles(self) -> tuple[attn.PagedBatch, attn.AttentionOptions]:
-        """The batch and options as vLLM's backend passes them (built once per step / layer)."""
-        a = self.args()
+    def bundles(self, **options) -> tuple[attn.PagedBatch, attn.AttentionOptions]:
+        """The batch and options as vLLM's backend passes them (built once per step / layer);
+        options: as `args` takes them (scale, sliding_window, softcap, sinks)."""
+        a = self.args(**options)
         batch = attn.PagedBatch(
             a["cu_seqlens_q"], a["seq_lens"], a["block_table"], a["max_query_len"],
             a["min_query_len"], a["max_seq_len"],
         )  # fmt: skip
-        return batch, attn.AttentionOptions(a["scale"], k_scale=a["k_scale"], v_scale=a["v_scale"])
+        return batch, attn.AttentionOptions(
+            a["scale"], a.get("sliding_window"), a.get("softcap", 0.0), a.get("sinks"),
+            a["k_scale"], a["v_scale"],
+        )  # fmt: skip
 
 
 def make_pool(num_pages: int, page: int, heads: int, head_size: int, dtype) -> torch.Tensor:
@@ -241,9 +245,23 @@ def nan_like(q: torch.Tensor) -> torch.Tensor:
     return torch.full_like(q, float("nan"))
 
 
-def decode_bytes(p: Problem) -> int:
-    kv = sum(p.lens) * HKV * D * 2 * p.kv.element_size()
-    return kv + 2 * p.q.numel() * p.q.element_size()
+def decode_bytes(p: Problem, window: int | None = None) -> int:
+    """Bytes a decode call over `p` moves: the K and V rows it reads (the last `window` keys of
+    each sequence at most), q and out."""
+    keys = sum(n if window is None else min(n, window) for n in p.lens)
+    hkv, d = p.kv.shape[3], p.kv.shape[4]
+    return keys * hkv * d * 2 * p.kv.element_size() + 2 * p.q.numel() * p.q.element_size()
+
+
+def plan_shape(p: Problem, workspace: attn.AttentionWorkspace) -> dict:
+    """The shape arguments `attn.plan_launch` and `attn.decode_ws_config` take for `p` on its
+    device."""
+    q, kc = p.q, p.key_cache
+    return dict(
+        num_seqs=len(p.lens), num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
+        head_size=q.shape[2], sms=attn.sm_count(q.device), workspace=workspace,
+        kv_bytes=kc.element_size(), max_smem=attn.smem_per_block(q.device),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

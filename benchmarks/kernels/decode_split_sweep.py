@@ -28,11 +28,12 @@ import torch
 
 from fuselane.benchmarks import harness
 from fuselane.benchmarks.kernels import attention_workload as aw
-from fuselane.benchmarks.kernels import family_script
 from fuselane.benchmarks.kernels.grid import MODELS, decode_context
 from fuselane.benchmarks.kernels.grid import _budget_tokens as budget_tokens_of_grid
 from fuselane.benchmarks.kernels.impls import generator
+from fuselane.benchmarks.kernels.suite import time_call
 from fuselane.kernels import attention as attn
+from fuselane.kernels._launch import next_pow2
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -42,16 +43,12 @@ def plans_for(p: aw.Problem, ws: attn.AttentionWorkspace, rule: attn.LaunchPlan)
     """Every (label, plan) to time: the rule's, then both kernels at each split count that fits
     the workspace (the WS kernel only where `decode_ws_config` says it suits the batch)."""
     q, kc = p.q, p.key_cache
-    shape = dict(
-        num_seqs=len(p.lens), num_q_heads=q.shape[1], num_kv_heads=kc.shape[2],
-        head_size=q.shape[2], sms=attn.sm_count(q.device), workspace=ws,
-        kv_bytes=kc.element_size(),
-    )  # fmt: skip
+    shape = aw.plan_shape(p, ws)
     triton = attn.plan_launch(max_query_len=1, decode_warp_specialized=False, **shape).decode
-    room = attn.split_room(ws)
     fit = attn.workspace_splits(
-        room, len(p.lens) * q.shape[1], attn.plan.next_pow2(q.shape[2]), len(p.lens) * kc.shape[2]
-    )
+        attn.split_room(ws), len(p.lens) * q.shape[1], next_pow2(q.shape[2]),
+        len(p.lens) * kc.shape[2],
+    )  # fmt: skip
     out = [("rule", rule)]
     for stages, head_fast in ((attn.DECODE_STAGES, True), (attn.DECODE_STAGES_PIPELINED, False)):
         for s in SPLITS:
@@ -60,7 +57,7 @@ def plans_for(p: aw.Problem, ws: attn.AttentionWorkspace, rule: attn.LaunchPlan)
                     triton, num_stages=stages, head_fast=head_fast, num_splits=s
                 )
                 out.append((f"triton s{stages}", attn.LaunchPlan(decode=dec, prefill=None)))
-    ws_dec = attn.decode_ws_config(**shape, max_smem=attn.smem_per_block(q.device))
+    ws_dec = attn.decode_ws_config(**shape)
     if ws_dec is not None and attn.decode_warp_specialized_ok(q, kc, p.value_cache):
         for s in SPLITS:
             if s <= fit:
@@ -81,25 +78,13 @@ def run_case(model: str, batch: int, ctx: int, kv: str, budget_end: float) -> di
     ws = attn.AttentionWorkspace.allocate(
         aw.WS_ROWS, m.num_q_heads, m.head_size, p.q.device, max_splits=aw.WS_SPLITS
     )
-    a = p.args(**opts)
-    q, kc, vc = a["q"], a["key_cache"], a["value_cache"]
-    batch_ = attn.PagedBatch(a["cu_seqlens_q"], a["seq_lens"], a["block_table"], 1)
-    options = attn.AttentionOptions(
-        a["scale"], a["sliding_window"], a["softcap"], None, a["k_scale"], a["v_scale"]
-    )
+    q, kc, vc = p.q, p.key_cache, p.value_cache
+    batch_, options = p.bundles(**opts)
     rule = attn.plan_launch(
-        num_seqs=batch, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
-        head_size=m.head_size, max_query_len=1, sms=attn.sm_count(q.device), workspace=ws,
-        kv_bytes=kc.element_size(), max_smem=attn.smem_per_block(q.device),
-        decode_warp_specialized=attn.decode_warp_specialized_ok(q, kc, vc),
+        max_query_len=1, decode_warp_specialized=attn.decode_warp_specialized_ok(q, kc, vc),
+        **aw.plan_shape(p, ws),
     )  # fmt: skip
-    nbytes = (
-        sum(n if m.sliding_window is None else min(n, m.sliding_window) for n in p.lens)
-        * m.num_kv_heads
-        * m.head_size
-        * 2
-        * kc.element_size()
-    )
+    nbytes = aw.decode_bytes(p, m.sliding_window)
     points = []
     for label, plan in plans_for(p, ws, rule):
         if time.monotonic() > budget_end:
@@ -125,8 +110,7 @@ def run_case(model: str, batch: int, ctx: int, kv: str, budget_end: float) -> di
             ok, detail = False, repr(e)[:300]
         point.update(ok=ok, detail=detail)
         if ok:
-            calls, reps = family_script.loop_sizes(fn)
-            ms, _ = family_script.time_graph_or_eager(fn, calls_per_graph=calls, reps=reps)
+            ms, point["timing"] = time_call(fn, interpret=False)
             point["us"] = round(ms * 1e3, 2)
             point["TBps"] = round(nbytes / (ms * 1e-3) / 1e12, 3)
         points.append(point)
