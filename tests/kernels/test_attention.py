@@ -163,11 +163,7 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
     else:
         attn.run._run(
             q, batch["key_cache"], batch["value_cache"], out, paged_batch(batch),
-            attn.AttentionOptions(
-                batch["scale"], options.get("sliding_window"), options.get("softcap", 0.0),
-                options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"),
-            ),
-            workspace, plan=plan,
+            attention_options(batch, **options), workspace, plan=plan,
         )  # fmt: skip
     atol, rtol = TOL[q.dtype]
     assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="attention")
@@ -175,6 +171,14 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
     if workspace is not None:
         assert int(workspace.counters.abs().sum()) == 0, "split counters not reset"
     return out
+
+
+def attention_options(batch: dict, **options) -> attn.AttentionOptions:
+    """The `AttentionOptions` of a `make_batch` dict with `paged_attention`'s option keywords."""
+    return attn.AttentionOptions(
+        batch["scale"], options.get("sliding_window"), options.get("softcap", 0.0),
+        options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"),
+    )  # fmt: skip
 
 
 def paged_batch(batch: dict) -> attn.PagedBatch:

@@ -14,6 +14,7 @@ from fuselane.kernels import attention as attn
 from fuselane.kernels.attention import prefill_ws
 from tests.device import DEVICE
 from tests.kernels.test_attention import (
+    attention_options,
     make_batch,
     nan_out,
     paged_batch,
@@ -57,18 +58,21 @@ def ws_batch(case, seed: int = 0) -> dict:
     )  # fmt: skip
 
 
-def assert_repeats_agree(batch: dict, ws, plan: attn.LaunchPlan, times: int = 20) -> None:
-    """`plan` on `batch`: checked against the reference once, then launched `times` more into
-    fresh poisoned outputs, each equal to the first to the bit (a barrier-phase, slot-reuse or
-    split-merge race would show as a difference between launches)."""
-    first = run_case(batch, workspace=ws, plan=plan)
+def assert_repeats_agree(
+    batch: dict, ws, plan: attn.LaunchPlan, times: int = 20, **options
+) -> None:
+    """`plan` on `batch` (with `paged_attention`'s option keywords): checked against the
+    reference once, then launched `times` more into fresh poisoned outputs, each equal to the
+    first to the bit (a barrier-phase, slot-reuse or split-merge race would show as a difference
+    between launches)."""
+    first = run_case(batch, workspace=ws, plan=plan, **options)
     rows = batch["num_rows"]
     b = batch
     for _ in range(times):
         out = nan_out(b["q"])
         attn.run._run(
             b["q"], b["key_cache"], b["value_cache"], out, paged_batch(b),
-            attn.AttentionOptions(b["scale"]), ws, plan=plan,
+            attention_options(b, **options), ws, plan=plan,
         )  # fmt: skip
         assert torch.equal(out[:rows], first[:rows])
 
@@ -306,17 +310,7 @@ def test_ws_decode_options_and_caches_match_reference(case):
     ws = workspace(Hq, D, max_splits=64, rows=8)
     tile_n, slots = attn.decode_ws_tile(D, kv_dtype.itemsize)
     plan = ws_decode_plan(batch, ws, num_splits=splits, tile_n=tile_n, num_stages=slots)
-    first = run_case(batch, workspace=ws, plan=plan, **options)
-    opts = attn.AttentionOptions(
-        batch["scale"], options.get("sliding_window"), options.get("softcap", 0.0),
-        options.get("sinks"), batch.get("k_scale"), batch.get("v_scale"),
-    )  # fmt: skip
-    rows = batch["num_rows"]
-    for _ in range(5):
-        out = nan_out(batch["q"])
-        attn.run._run(batch["q"], batch["key_cache"], batch["value_cache"], out,
-                      paged_batch(batch), opts, ws, plan=plan)  # fmt: skip
-        assert torch.equal(out[:rows], first[:rows])
+    assert_repeats_agree(batch, ws, plan, times=5, **options)
 
 
 def test_ws_decode_supports_its_caches_and_options():
