@@ -187,12 +187,8 @@ def bench_case(
             fn = lambda: fis.top_k_top_p_sampling_from_logits(
                 z0, prm.top_k, prm.top_p, deterministic=True
             )
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - a failing peer is noted, the run goes on
-            run.note(f"{name} flashinfer: call failed: {e!r}")
-            return
+        if not family_script.try_run(run.note, f"{name} flashinfer", fn):
+            return  # a failing peer is noted, the run goes on
         run.time("sampling", name, label, fn, nbytes=nbytes)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fuselane.benchmarks.kernels import family_script
 from fuselane.benchmarks.kernels.sampling_sections import Runner, checked_time
 from fuselane.benchmarks.kernels.sampling_workload import (
     CASES,
@@ -216,12 +217,8 @@ def _time_flashinfer(run: Runner, fis, name: str, x: torch.Tensor, prm) -> None:
     def fn():
         return fis.top_k_top_p_sampling_from_logits(z, top_k, prm.top_p, deterministic=True)
 
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - a failing peer is noted, the run goes on
-        run.note(f"{name} flashinfer: call failed: {e!r}")
-        return
+    if not family_script.try_run(run.note, f"{name} flashinfer", fn):
+        return  # a failing peer is noted, the run goes on
     run.time(
         "one_launch",
         name,
