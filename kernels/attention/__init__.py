@@ -109,6 +109,7 @@ from .plan import (
     DecodeConfig,
     LaunchPlan,
     PrefillConfig,
+    balanced_pieces,
     decode_programs_per_sm,
     decode_schedules,
     decode_smem_bytes,
@@ -138,6 +139,7 @@ from .workspace import (
     AttentionWorkspace,
     SplitRoom,
     split_room,
+    workspace_budget,
     workspace_splits,
 )
 
@@ -193,6 +195,7 @@ __all__ = [
     "attention_unchecked",
     "check_supported",
     "checks",
+    "balanced_pieces",
     "decode_programs_per_sm",
     "decode_schedules",
     "decode_smem_bytes",
@@ -224,5 +227,6 @@ __all__ = [
     "warp_specialized_ok",
     "wave_fill",
     "workspace",
+    "workspace_budget",
     "workspace_splits",
 ]

@@ -320,9 +320,69 @@ def _merge_partials(
     )
 
 
+# Sequences scanned per step by the balanced split's schedule (vLLM's default max_num_seqs in one).
+BALANCE_SCAN = tl.constexpr(256)
+# Larger than any piece index: the "no sequence above" value of the schedule's search.
+NO_PIECE = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def _seq_tiles(s, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N: tl.constexpr, MAX_Q: tl.constexpr,
+               SLIDING_WINDOW: tl.constexpr):  # fmt: skip
+    """KV tiles the decode kernel walks for each sequence of the vector `s`: those of its window
+    for a sequence it owns, 0 for padding requests, prefill chunks and indices past the batch."""
+    ok = s < num_seqs
+    q_len = tl.load(cu_q_ptr + s + 1, mask=ok, other=0) - tl.load(cu_q_ptr + s, mask=ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + s, mask=ok, other=0)
+    kv_lo = tl.zeros_like(seq_len)
+    if SLIDING_WINDOW > 0:
+        kv_lo = tl.maximum(seq_len - q_len - SLIDING_WINDOW + 1, 0)
+    own = ok & (q_len > 0)
+    if MAX_Q > 0:
+        own = own & (q_len <= MAX_Q)
+    # At least one tile for an owned sequence: its program must run to write its rows.
+    tiles = tl.maximum(tl.cdiv(seq_len, TILE_N) - kv_lo // TILE_N, 1)
+    return tl.where(own, tiles, 0)
+
+
+@triton.jit
+def _balanced_piece(item, num_seqs, budget, cu_q_ptr, seq_lens_ptr, TILE_N: tl.constexpr,
+                    MAX_Q: tl.constexpr, SLIDING_WINDOW: tl.constexpr):  # fmt: skip
+    """(sequence, piece, pieces) of program `item` under the balanced split, computed by every
+    program from the batch's lengths (nothing on the host: a CUDA graph replays it for any
+    lengths). The batch's KV tiles are cut into pieces of at most chunk = cdiv(total, budget)
+    tiles, each sequence into cdiv(tiles, chunk) equal pieces, numbered sequence by sequence.
+    Sum over sequences of cdiv(tiles, chunk) <= total / chunk + num_seqs <= budget + num_seqs:
+    the launch's item count. An item past the last piece gets a sequence >= num_seqs."""
+    offs = tl.arange(0, BALANCE_SCAN)
+    total = 0
+    for s0 in range(0, num_seqs, BALANCE_SCAN):
+        tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
+                           SLIDING_WINDOW)  # fmt: skip
+        total += tl.sum(tiles, 0)
+    chunk = tl.maximum(tl.cdiv(total, budget), 1)
+    # Pieces before each sequence are a running sum; the item's sequence is the number of
+    # sequences whose pieces all come before it (ends <= item), its first piece the largest
+    # such end, its last + 1 the smallest end above the item.
+    seq = 0
+    first = 0
+    end = NO_PIECE
+    done = 0
+    for s0 in range(0, num_seqs, BALANCE_SCAN):
+        tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
+                           SLIDING_WINDOW)  # fmt: skip
+        ends = tl.cumsum(tl.cdiv(tiles, chunk), 0) + done
+        before = ends <= item
+        seq += tl.sum(before.to(tl.int32), 0)
+        first = tl.maximum(first, tl.max(tl.where(before, ends, 0), 0))
+        end = tl.minimum(end, tl.min(tl.where(before, NO_PIECE, ends), 0))
+        done = tl.max(ends, 0)
+    return seq, item - first, end - first
+
+
 # Runtime ints that vary from batch to batch are not specialized (Triton would compile a new
 # variant for a value of 1 or a multiple of 16 in the middle of serving).
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_seqs", "budget"])
 def _decode_kernel(
     q_ptr,  # [num_tokens, Hq, D] fp16/bf16
     k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype or fp8 e4m3 (last dim contiguous)
@@ -339,7 +399,9 @@ def _decode_kernel(
     counter_ptr,  # [num_seqs * Hkv] int32 workspace, zero between launches (if FUSED_REDUCE)
     scale,  # fp32 softmax scale
     softcap,  # fp32, used only if USE_SOFTCAP
-    num_splits,  # programs per (sequence, kv head); 1 unless SPLIT
+    num_splits,  # programs per (sequence, kv head); 1 unless SPLIT (not read if BALANCED)
+    num_seqs,  # sequences of the batch (read if BALANCED)
+    budget,  # BALANCED: pieces the batch's KV is cut into, at most (items = num_seqs + budget)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -364,6 +426,7 @@ def _decode_kernel(
     MERGE_M: tl.constexpr,  # rows of the fused merge: next power of two >= QPOS * GROUP
     RED_SPLITS: tl.constexpr,  # splits merged per step of the fused merge
     HEAD_FAST: tl.constexpr,  # grid (Hkv, num_seqs, splits) instead of (num_seqs, Hkv, splits)
+    BALANCED: tl.constexpr,  # grid (Hkv, items) / (items, Hkv): pieces by length (needs SPLIT)
     MAX_Q: tl.constexpr,  # query_len > MAX_Q: the prefill kernel's sequence (0: no limit)
     SLIDING_WINDOW: tl.constexpr,  # 0: off; else query p sees keys k with p - k < SLIDING_WINDOW
     USE_SOFTCAP: tl.constexpr,
@@ -371,13 +434,31 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    if HEAD_FAST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
+    if BALANCED:
+        item = tl.program_id(1) if HEAD_FAST else tl.program_id(0)
+        kv_head = tl.program_id(0) if HEAD_FAST else tl.program_id(1)
+        seq, split, pieces = _balanced_piece(item, num_seqs, budget, cu_q_ptr, seq_lens_ptr,
+                                             TILE_N, MAX_Q, SLIDING_WINDOW)  # fmt: skip
+        if seq >= num_seqs:  # past the batch's last piece
+            return
+        # Partial of piece j of (position p, head h): [QPOS, Hq, num_seqs + budget] at column
+        # item = first + j (the sequence's pieces side by side).
+        part_row0 = 0
+        part_cols = num_seqs + budget
+        first = item - split
     else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+        if HEAD_FAST:
+            kv_head = tl.program_id(0)
+            seq = tl.program_id(1)
+        else:
+            seq = tl.program_id(0)
+            kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        pieces = num_splits
+        # Partial of split j of (position p, head h): [num_seqs * QPOS, Hq, num_splits].
+        part_row0 = seq.to(tl.int64) * QPOS
+        part_cols = num_splits
+        first = 0
 
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -414,7 +495,7 @@ def _decode_kernel(
         kv_lo = tl.maximum(ctx - SLIDING_WINDOW + 1, 0)
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, pieces)
     split_lo = tile_lo + split * tiles_per_split
     split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
 
@@ -450,7 +531,8 @@ def _decode_kernel(
             lo = tl.where(c == 0, split_lo, 0)
             hi = tl.where(c == 0, split_hi, tile_hi)
             hi = tl.where((c > 0) & (split > 0), lo, hi)
-            direct = c > 0
+            # One piece (balanced: a short sequence) writes its output as it is, no merge.
+            direct = (c > 0) | (pieces == 1)
 
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -486,9 +568,8 @@ def _decode_kernel(
         )
         if SPLIT:
             # Partial row of (sequence, position), only for chunk 0 (positions < QPOS).
-            store_part = row_ok & (c == 0)
-            prow = seq.to(tl.int64) * QPOS + pos
-            pidx = (prow * NUM_Q_HEADS + head) * num_splits + split
+            store_part = row_ok & (c == 0) & (pieces > 1)
+            pidx = ((part_row0 + pos) * NUM_Q_HEADS + head) * part_cols + first + split
             tl.store(
                 part_o_ptr + pidx[:, None] * HEAD_PAD + offs_d[None, :],
                 acc,
@@ -498,35 +579,36 @@ def _decode_kernel(
             tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=store_part)
 
     if SPLIT:
-        if FUSED_REDUCE:
-            # Release: every thread's partial stores are ordered before the counter increment
-            # (CTA barrier, then a gpu-scope acq_rel atomic). The program that brings the
-            # counter to num_splits sees all partials (acquire), merges them and resets the
-            # counter for the next launch.
-            tl.debug_barrier()
-            cnt_ptr = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
-            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                # Rows of the merge: the chunk-0 (position, head) pairs only, not the tile's
-                # padding, so one step can hold many splits.
-                offs_r = tl.arange(0, MERGE_M)
-                r_pos = offs_r // GROUP
-                r_head = kv_head * GROUP + offs_r % GROUP
-                r_ok = (offs_r < QPOS * GROUP) & (r_pos < q_len)
-                r_pos = tl.minimum(r_pos, q_len - 1)
-                r_sink = tl.zeros([MERGE_M], dtype=tl.float32)
-                if USE_SINKS:
-                    r_sink = tl.load(sinks_ptr + r_head).to(tl.float32) * LOG2E
-                r_tok = (q_start + r_pos).to(tl.int64)
-                r_offs_d = tl.arange(0, HEAD_PAD)
-                pbase = ((seq.to(tl.int64) * QPOS + r_pos) * NUM_Q_HEADS + r_head) * num_splits
-                _merge_partials(
-                    out_ptr, part_o_ptr, part_ml_ptr, pbase,
-                    r_tok[:, None] * stride_ot + r_head[:, None] * stride_oh + r_offs_d[None, :],
-                    r_ok, r_sink, num_splits, r_offs_d, r_offs_d < HEAD_SIZE, MERGE_M, HEAD_PAD,
-                    RED_SPLITS, USE_SINKS,
-                )  # fmt: skip
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        if pieces > 1:
+            if FUSED_REDUCE:
+                # Release: every thread's partial stores are ordered before the counter increment
+                # (CTA barrier, then a gpu-scope acq_rel atomic). The program that brings the
+                # counter to num_splits sees all partials (acquire), merges them and resets the
+                # counter for the next launch.
+                tl.debug_barrier()
+                cnt_ptr = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
+                arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+                if arrived == pieces - 1:
+                    # Rows of the merge: the chunk-0 (position, head) pairs only, not the tile's
+                    # padding, so one step can hold many splits.
+                    offs_r = tl.arange(0, MERGE_M)
+                    r_pos = offs_r // GROUP
+                    r_head = kv_head * GROUP + offs_r % GROUP
+                    r_ok = (offs_r < QPOS * GROUP) & (r_pos < q_len)
+                    r_pos = tl.minimum(r_pos, q_len - 1)
+                    r_sink = tl.zeros([MERGE_M], dtype=tl.float32)
+                    if USE_SINKS:
+                        r_sink = tl.load(sinks_ptr + r_head).to(tl.float32) * LOG2E
+                    r_tok = (q_start + r_pos).to(tl.int64)
+                    r_offs_d = tl.arange(0, HEAD_PAD)
+                    pbase = ((part_row0 + r_pos) * NUM_Q_HEADS + r_head) * part_cols + first
+                    r_out = r_tok[:, None] * stride_ot + r_head[:, None] * stride_oh
+                    _merge_partials(
+                        out_ptr, part_o_ptr, part_ml_ptr, pbase, r_out + r_offs_d[None, :], r_ok,
+                        r_sink, pieces, r_offs_d, r_offs_d < HEAD_SIZE, MERGE_M, HEAD_PAD,
+                        RED_SPLITS, USE_SINKS,
+                    )  # fmt: skip
+                    tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -636,13 +718,17 @@ def launch_decode(
     part_ml = workspace.partial_ml if workspace is not None else None
     counters = workspace.counters if workspace is not None else None
     qpos, tile_n, num_splits = config.qpos, config.tile_n, config.num_splits
-    head_fast, max_q = config.head_fast, config.max_q
+    head_fast, max_q, budget = config.head_fast, config.max_q, config.split_budget
     num_seqs = seq_lens.shape[0]
+    balanced = budget > 0
+    if balanced and not config.fused_reduce:
+        raise ValueError("DecodeConfig: a balanced split (split_budget > 0) merges in the kernel "
+                         "(fused_reduce=True); got fused_reduce=False")  # fmt: skip
     num_q_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     head_pad = next_pow2(head_size)
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
-    split = num_splits > 1
+    split = balanced or num_splits > 1
     fused = split and config.fused_reduce
     merge_m = next_pow2(qpos * (num_q_heads // num_kv_heads))
     # One merge step size per tile shape, whatever the split count (masked lanes past it): a
@@ -650,7 +736,10 @@ def launch_decode(
     red_splits = max(1, MERGE_STEP_ELEMENTS // (merge_m * head_pad))
     # Unused pointer arguments get a valid tensor: the constexpr switches keep them unread.
     dummy = seq_lens
-    if head_fast:
+    if balanced:
+        items = num_seqs + budget
+        grid = (num_kv_heads, items) if head_fast else (items, num_kv_heads)
+    elif head_fast:
         grid = (num_kv_heads, num_seqs, num_splits)
     else:
         grid = (num_seqs, num_kv_heads, num_splits)
@@ -673,6 +762,8 @@ def launch_decode(
         float(options.scale),
         softcap if softcap > 0 else 1.0,
         num_splits,
+        num_seqs,
+        budget,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         NUM_Q_HEADS=num_q_heads,
         GROUP=num_q_heads // num_kv_heads,
@@ -687,6 +778,7 @@ def launch_decode(
         MERGE_M=merge_m,
         RED_SPLITS=red_splits,
         HEAD_FAST=head_fast,
+        BALANCED=balanced,
         MAX_Q=max_q,
         SLIDING_WINDOW=options.window,
         USE_SOFTCAP=softcap > 0,

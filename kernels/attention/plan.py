@@ -81,6 +81,11 @@ class DecodeConfig:
     num_stages: int
     fused_reduce: bool = True  # splits merged by the last split program (False: a 2nd launch)
     head_fast: bool = False  # grid order: kv head fastest (programs of one sequence together)
+    # Balanced split (> 0): the batch's KV tiles are cut into at most split_budget pieces of
+    # equal size, however the lengths fall (a long sequence among short ones gets several, a
+    # short one one), in num_seqs + split_budget programs per kv head; num_splits is then only
+    # what a batch of equal lengths gets. 0: each sequence in num_splits equal parts.
+    split_budget: int = 0
     # Hopper's warp-specialized kernel (decode_ws), decode-only batches: num_stages
     # is its ring of K/V slots; block_m, num_warps and max_q are the Triton kernel's only.
     warp_specialized: bool = False
@@ -346,6 +351,14 @@ def _num_splits(
         if cost < best_cost - 1e-9:  # ties go to fewer splits
             best, best_cost = splits, cost
     return best
+
+
+def balanced_pieces(tiles: list[int], budget: int) -> list[int]:
+    """Pieces per sequence of the decode kernel's balanced split (`DecodeConfig.split_budget`),
+    as its programs compute them on the device from the sequences' KV tiles: pieces of at most
+    cdiv(total, budget) tiles, so their sum is at most budget + len(tiles)."""
+    chunk = max(cdiv(sum(tiles), budget), 1)
+    return [cdiv(t, chunk) for t in tiles]
 
 
 def plan_launch(

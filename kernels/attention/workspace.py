@@ -105,3 +105,20 @@ def workspace_splits(workspace: SplitRoom, row_heads: int, head_pad: int, pairs:
         workspace.partial_ml // (row_heads * 2),
         workspace.max_splits,
     )
+
+
+def workspace_budget(
+    workspace: SplitRoom, qpos: int, num_q_heads: int, head_pad: int, num_seqs: int,
+    num_kv_heads: int,
+) -> int:  # fmt: skip
+    """Largest split budget of a balanced split (`DecodeConfig.split_budget`) `workspace` holds
+    for `num_seqs` sequences: partials of `qpos` x `num_q_heads` rows for each of the launch's
+    num_seqs + budget programs and a counter per (sequence, kv head); 0 if none fits. (No
+    sequence gets more pieces than the budget.)"""
+    if workspace.counters < num_seqs * num_kv_heads:
+        return 0
+    items = min(
+        workspace.partial_out // (qpos * num_q_heads * head_pad),
+        workspace.partial_ml // (qpos * num_q_heads * 2),
+    )
+    return max(0, items - num_seqs)

@@ -1,0 +1,140 @@
+"""The decode kernel's balanced split: a batch's KV cut into pieces by length on the device.
+
+Every case runs the decode kernel with a given `split_budget` against the reference (outputs
+poisoned, the workspace's counters back at zero after, as `run_case` checks), and where it
+says so also checks which partials the launch wrote: the workspace's (m, l) array is poisoned
+with NaN first, and exactly the columns of the sequences cut into several pieces
+(`attn.balanced_pieces`, the host mirror of the kernel's schedule) must hold values after.
+Runs under Triton's interpreter on the CPU and on the GPU as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from fuselane.kernels import attention as attn
+from fuselane.kernels._checks import FP8_E4M3
+from tests.kernels.test_attention import make_batch, plan_for, run_case, workspace
+
+
+def _tiles(q_lens: list[int], seq_lens: list[int], tile_n: int, window: int | None,
+           max_q: int) -> list[int]:  # fmt: skip
+    """KV tiles the decode kernel walks per sequence (`decode._seq_tiles`)."""
+    out = []
+    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
+        if q_len <= 0 or (max_q > 0 and q_len > max_q):
+            out.append(0)
+            continue
+        kv_lo = max(seq_len - q_len - window + 1, 0) if window else 0
+        out.append(max(math.ceil(seq_len / tile_n) - kv_lo // tile_n, 1))
+    return out
+
+
+def _written_columns(ws: attn.AttentionWorkspace, qpos: int, num_q_heads: int, items: int) -> int:
+    """Columns of (position 0, head 0) in the balanced partial layout holding a value."""
+    m = ws.partial_ml.view(-1, 2)[: qpos * num_q_heads * items, 0].view(qpos, num_q_heads, items)
+    return int((~torch.isnan(m[0, 0])).sum())
+
+
+# (q_lens, seq_lens, Hq, Hkv, D, block, budget, options)
+CASES = [
+    # one long sequence among short ones: the long one in many pieces, the short ones whole
+    ([1] * 6, [1, 16, 17, 3000, 40, 2], 4, 2, 64, 16, 6, {}),
+    # every budget from one piece for the batch to more pieces than tiles
+    ([1, 1, 1], [700, 129, 1], 4, 1, 128, 32, 1, {}),
+    ([1, 1, 1], [700, 129, 1], 4, 1, 128, 32, 3, {}),
+    ([1, 1, 1], [700, 129, 1], 4, 1, 128, 32, 40, {}),
+    # GQA 5, head size 80 (padded tile), page boundaries
+    ([1, 1, 1, 1], [64, 65, 1999, 128], 5, 1, 80, 64, 8, {}),
+    # padding requests (query_len 0) take no piece
+    ([1, 0, 1, 0], [900, 0, 33, 0], 4, 2, 64, 16, 4, {}),
+    # window, soft cap and sinks with pieces: the window's tiles only are cut
+    ([1, 1, 1], [1500, 30, 700], 8, 2, 64, 16, 6,
+     dict(sliding_window=300, softcap=20.0, sinks=True)),
+    # speculative-verify rows (several query positions per tile)
+    ([3, 1, 2, 4], [600, 20, 800, 5], 4, 2, 128, 16, 8, {}),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_balanced_split_matches_reference_and_schedule(case):
+    q_lens, seq_lens, hq, hkv, d, block, budget, options = case
+    batch = make_batch(q_lens, seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_size=d,
+                       block_size=block, seed=sum(seq_lens) + budget)  # fmt: skip
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.linspace(-2.0, 2.0, hq, device=batch["q"].device)
+    ws = workspace(hq, d, max_splits=8, rows=16)
+    plan = plan_for(batch, ws, split_budget=budget)
+    dec = plan.decode
+    items = len(seq_lens) + budget
+    ws.partial_ml.fill_(float("nan"))
+    for _ in range(2):  # a second call on the same workspace (a graph replay)
+        run_case(batch, workspace=ws, plan=plan, **options)
+    tiles = _tiles(q_lens, seq_lens, dec.tile_n, options.get("sliding_window"), dec.max_q)
+    pieces = attn.balanced_pieces(tiles, budget)
+    assert sum(pieces) <= items
+    assert _written_columns(ws, dec.qpos, hq, items) == sum(p for p in pieces if p > 1)
+
+
+def test_balanced_split_in_a_mixed_batch_leaves_prefill_rows_to_the_prefill_kernel():
+    """Prefill chunks take no piece of the decode launch (their tiles are not counted)."""
+    batch = make_batch([1, 90, 1, 3], [2000, 190, 40, 400], num_q_heads=4, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=21)  # fmt: skip
+    ws = workspace(4, 128, max_splits=8, rows=16)
+    plan = plan_for(batch, ws, split_budget=5)
+    assert plan.prefill is not None and plan.decode.max_q > 0
+    run_case(batch, workspace=ws, plan=plan, sliding_window=500)
+
+
+def test_balanced_split_fp8_cache_and_grid_orders():
+    batch = make_batch([1] * 5, [1, 300, 47, 1200, 16], num_q_heads=4, num_kv_heads=2,
+                       head_size=128, block_size=16, kv_dtype=FP8_E4M3, seed=22)  # fmt: skip
+    ws = workspace(4, 128, max_splits=8, rows=16)
+    for head_fast in (True, False):
+        run_case(batch, workspace=ws, plan=plan_for(batch, ws, split_budget=7, head_fast=head_fast))
+
+
+def test_balanced_split_needs_the_fused_merge():
+    batch = make_batch([1], [40], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    ws = workspace(4, 64)
+    plan = plan_for(batch, ws, split_budget=2, fused_reduce=False)
+    with pytest.raises(ValueError, match="split_budget > 0.*fused_reduce=False"):
+        run_case(batch, workspace=ws, plan=plan)
+
+
+def test_balanced_pieces_bound_and_balance():
+    """At most budget + B pieces for any lengths, none longer than cdiv(total, budget) tiles,
+    and a batch of equal lengths cut as the per-sequence split with budget = B x splits."""
+    rng = random.Random(5)
+    for _ in range(500):
+        tiles = [rng.choice([0, 1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(1, 200)
+        pieces = attn.balanced_pieces(tiles, budget)
+        chunk = max(-(-sum(tiles) // budget), 1)
+        assert sum(pieces) <= budget + len(tiles)
+        assert all(-(-t // p) <= chunk for t, p in zip(tiles, pieces, strict=True) if t)
+        assert all(p == 0 for t, p in zip(tiles, pieces, strict=True) if t == 0)
+    assert attn.balanced_pieces([256] * 4, 4 * 8) == [8] * 4
+    assert attn.balanced_pieces([256, 2, 2, 2], 4) == [4, 1, 1, 1]  # chunk 66
+
+
+def test_workspace_budget_counts_items_and_counters():
+    ws = attn.split_room(workspace(4, 64, max_splits=4, rows=8))  # 8 x 4 x 4 rows of 64
+    # 32 columns of 4 heads: 32 - B items of budget; counters 8 x 4 = 32 (sequence, kv head).
+    assert attn.workspace_budget(ws, 1, 4, 64, 3, 2) == 29
+    assert attn.workspace_budget(ws, 2, 4, 64, 3, 2) == 13  # two positions per column
+    assert attn.workspace_budget(ws, 1, 4, 64, 17, 2) == 0  # 34 counters needed
+    assert attn.workspace_budget(ws, 1, 4, 64, 40, 1) == 0  # no column left
+
+
+def test_balanced_config_is_a_distinct_compiled_variant():
+    """split_budget changes the grid and a constexpr: the warm-up must know it (see the rule)."""
+    plan = attn.plan_launch(num_seqs=2, num_q_heads=4, num_kv_heads=2, head_size=64,
+                            max_query_len=1, sms=132, workspace=None)  # fmt: skip
+    assert dataclasses.replace(plan.decode, split_budget=3) != plan.decode
