@@ -91,9 +91,9 @@ def plans_for(
     return out
 
 
-def run_case(model: str, batch: int, ctx: int | str, kv: str, budget_end: float, **points) -> dict:
+def run_case(model: str, batch: int, ctx: int | str, kv: str, budget_end: float, **which) -> dict:
     """ctx: every sequence's context, or the name of one of the grid's RAGGED_DISTS (its
-    draw for this batch size, as the grid's ragged rows). points: `plans_for`'s keywords."""
+    draw for this batch size, as the grid's ragged rows). which: `plans_for`'s keywords."""
     m = MODELS[model]
     kv_dtype = aw.FP8 if kv == "fp8" else aw.DTYPE
     lens = RAGGED_DISTS[ctx].draw(batch) if isinstance(ctx, str) else [ctx] * batch
@@ -114,7 +114,7 @@ def run_case(model: str, batch: int, ctx: int | str, kv: str, budget_end: float,
     )  # fmt: skip
     nbytes = aw.decode_bytes(p, m.sliding_window)
     points = []
-    for label, plan in plans_for(p, ws, rule, **points):
+    for label, plan in plans_for(p, ws, rule, **which):
         if time.monotonic() > budget_end:
             break
         d = plan.decode

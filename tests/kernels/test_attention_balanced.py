@@ -24,14 +24,17 @@ from tests.kernels.test_attention import make_batch, plan_for, run_case, workspa
 
 def _tiles(q_lens: list[int], seq_lens: list[int], tile_n: int, window: int | None,
            max_q: int) -> list[int]:  # fmt: skip
-    """KV tiles the decode kernel walks per sequence (`decode._seq_tiles`)."""
+    """KV tiles the balanced split counts per sequence (`decode._seq_tiles`): a decode-only
+    launch (max_q 0) reads the lengths alone, as if every query were one token."""
     out = []
     for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
-        if q_len <= 0 or (max_q > 0 and q_len > max_q):
+        if max_q == 0:
+            q_len = 1
+        elif q_len <= 0 or q_len > max_q:
             out.append(0)
             continue
         kv_lo = max(seq_len - q_len - window + 1, 0) if window else 0
-        out.append(max(math.ceil(seq_len / tile_n) - kv_lo // tile_n, 1))
+        out.append(math.ceil(seq_len / tile_n) - kv_lo // tile_n if seq_len > 0 else 0)
     return out
 
 
@@ -54,8 +57,16 @@ CASES = [
     # padding requests (query_len 0) take no piece
     ([1, 0, 1, 0], [900, 0, 33, 0], 4, 2, 64, 16, 4, {}),
     # window, soft cap and sinks with pieces: the window's tiles only are cut
-    ([1, 1, 1], [1500, 30, 700], 8, 2, 64, 16, 6,
-     dict(sliding_window=300, softcap=20.0, sinks=True)),
+    (
+        [1, 1, 1],
+        [1500, 30, 700],
+        8,
+        2,
+        64,
+        16,
+        6,
+        dict(sliding_window=300, softcap=20.0, sinks=True),
+    ),
     # speculative-verify rows (several query positions per tile)
     ([3, 1, 2, 4], [600, 20, 800, 5], 4, 2, 128, 16, 8, {}),
 ]
@@ -82,6 +93,24 @@ def test_balanced_split_matches_reference_and_schedule(case):
     assert _written_columns(ws, dec.qpos, hq, items) == sum(p for p in pieces if p > 1)
 
 
+def test_balanced_split_beyond_one_scan_block():
+    """More sequences than one block of the schedule's scan (two passes over the lengths);
+    ~281 tiles in 140 pieces: chunk 3, so the two long sequences are cut."""
+    n = attn.decode.BALANCE_SCAN.value + 7
+    seq_lens = [1 + (i * 37) % 50 for i in range(n)]
+    seq_lens[200] = 1500  # a long one in the first block, another in the second
+    seq_lens[n - 3] = 900
+    batch = make_batch([1] * n, seq_lens, num_q_heads=2, num_kv_heads=1, head_size=64,
+                       block_size=16, seed=23)  # fmt: skip
+    ws = workspace(2, 64, max_splits=4, rows=n)
+    plan = plan_for(batch, ws, split_budget=140)
+    ws.partial_ml.fill_(float("nan"))
+    run_case(batch, workspace=ws, plan=plan)
+    pieces = attn.balanced_pieces(_tiles([1] * n, seq_lens, plan.decode.tile_n, None, 0), 140)
+    assert pieces[200] > 1 and pieces[n - 3] > 1
+    assert _written_columns(ws, 1, 2, n + 140) == sum(p for p in pieces if p > 1)
+
+
 def test_balanced_split_in_a_mixed_batch_leaves_prefill_rows_to_the_prefill_kernel():
     """Prefill chunks take no piece of the decode launch (their tiles are not counted)."""
     batch = make_batch([1, 90, 1, 3], [2000, 190, 40, 400], num_q_heads=4, num_kv_heads=2,
@@ -104,7 +133,7 @@ def test_balanced_split_needs_the_fused_merge():
     batch = make_batch([1], [40], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     ws = workspace(4, 64)
     plan = plan_for(batch, ws, split_budget=2, fused_reduce=False)
-    with pytest.raises(ValueError, match="split_budget > 0.*fused_reduce=False"):
+    with pytest.raises(ValueError, match=r"split_budget > 0.*fused_reduce=False"):
         run_case(batch, workspace=ws, plan=plan)
 
 
