@@ -23,6 +23,7 @@ from .workspace import (
     AttentionWorkspace,
     SplitRoom,
     split_room,
+    workspace_budget,
     workspace_splits,
 )
 
@@ -449,7 +450,11 @@ def _plan_launch(
         num_seqs, num_q_heads, num_kv_heads, head_size, qpos, sms, workspace, kv_bytes, max_smem
     )
     fill, num_stages, splits = candidates[0]
-    if len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN:
+    budget = _balanced_budget(num_seqs, num_q_heads, num_kv_heads, head_size, qpos, splits,
+                              workspace)  # fmt: skip
+    if budget == 0 and (
+        len(candidates) > 1 and candidates[1][2] == 1 and candidates[1][0] > fill + WAVE_FILL_MARGIN
+    ):
         fill, num_stages, splits = candidates[1]
     block_m, tile_n, num_warps, _ = _decode_tile(qpos, group, head_size, num_stages)
     decode = DecodeConfig(
@@ -461,6 +466,7 @@ def _plan_launch(
         num_warps=num_warps,
         num_stages=num_stages,
         head_fast=num_stages == DECODE_STAGES,
+        split_budget=budget,
     )
     if decode_warp_specialized and max_query_len <= 1:
         decode = _decode_ws_config(decode, num_seqs, num_q_heads, num_kv_heads, head_size, sms,
@@ -491,6 +497,26 @@ def _plan_launch(
             warp_specialized=ws,
         )
     return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def _balanced_budget(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    qpos: int,
+    splits: int,
+    workspace: SplitRoom | None,
+) -> int:
+    """The balanced split's budget for a batch the 3-stage schedule splits `splits` ways: as
+    many pieces as those splits (a batch of equal lengths is cut as before), at most what the
+    workspace holds; 0 (no balanced split) for a batch the rule does not split, and for one
+    sequence (nothing to balance: the plain split, without the schedule's scan)."""
+    if splits < 2 or workspace is None or num_seqs < 2:
+        return 0
+    room = workspace_budget(workspace, qpos, num_q_heads, next_pow2(head_size), num_seqs,
+                            num_kv_heads)  # fmt: skip
+    return min(num_seqs * splits, room)
 
 
 def _decode_ws_config(
@@ -563,7 +589,8 @@ def reachable_plans(
     decode_warp_specialized: bool | None = None,
 ) -> list[LaunchPlan]:
     """One plan per compiled kernel variant `plan_launch` can choose for these heads, any batch
-    (for `warm_up`). Split counts are not part of a variant: a split plan is given 2 splits."""
+    (for `warm_up`). Split counts and budgets are not part of a variant (runtime arguments): a
+    split plan is given 2 splits, a balanced one a budget of 2."""
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
     # Beyond this many sequences every plan is the unsplit 3-stage one.
@@ -577,7 +604,11 @@ def reachable_plans(
                 workspace=workspace, kv_bytes=kv_bytes, max_smem=max_smem,
                 warp_specialized=warp_specialized, decode_warp_specialized=decode_warp_specialized,
             )  # fmt: skip
-            dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
+            dec = dataclasses.replace(
+                plan.decode,
+                num_splits=min(plan.decode.num_splits, 2),
+                split_budget=min(plan.decode.split_budget, 2),
+            )
             plan = dataclasses.replace(plan, decode=dec)
             if plan not in plans:
                 plans.append(plan)

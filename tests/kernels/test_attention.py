@@ -560,8 +560,9 @@ def test_split_rule_follows_batch_size():
     """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
     stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
     (132 slots). 5 stages only for a batch they run unsplit and fill the waves of clearly
-    better (B=16: 128 programs fill 97% of 132 slots, 48% of 264; B=48: 97% vs 73%; B=4 would
-    need splits: 3 stages); then as many splits as
+    better, unless it would split them by length (B=48: 384 programs fill 97% of 132 x 3
+    waves, 73% of 264 x 2; B=16 is split: 3 stages; B=4 would need splits: 3 stages); then as
+    many splits as
     fill one wave (B=1: 33 x 8 = 264 programs), none once the batch fills it, the split count
     of least modelled time in between (B=20: 3 splits = 480 programs = two waves nearly full)."""
     ws = AttentionWorkspace.allocate(256, 32, 128, CPU, max_splits=64)
@@ -571,8 +572,11 @@ def test_split_rule_follows_batch_size():
                          max_query_len=1, sms=132, workspace=ws).decode
         for b in batches
     ]  # fmt: skip
-    assert [p.num_stages for p in plans] == [3, 3, 3, 3, 5, 3, 3, 5, 3, 3]
-    assert [p.num_splits for p in plans] == [33, 16, 8, 4, 1, 3, 1, 1, 1, 1]
+    assert [p.num_stages for p in plans] == [3, 3, 3, 3, 3, 3, 3, 5, 3, 3]
+    assert [p.num_splits for p in plans] == [33, 16, 8, 4, 2, 3, 1, 1, 1, 1]
+    # A split batch of several sequences is cut by length (balanced split), into as many
+    # pieces as its equal-length splits; one sequence and unsplit batches are not.
+    assert [p.split_budget for p in plans] == [0, 32, 32, 32, 32, 60, 0, 0, 0, 0]
     for b, p in zip(batches, plans, strict=True):
         assert (p.tile_n, p.num_warps, p.fused_reduce) == (128, 4, True)
         assert p.head_fast == (p.num_stages == attn.DECODE_STAGES)
@@ -644,7 +648,9 @@ def test_merge_and_grid_order_variants(fused, head_fast):
                        head_size=64, block_size=16, seed=11)  # fmt: skip
     batch["max_query_len"] = 3  # the 12-token query runs through the decode kernel in chunks
     ws = workspace(8, 64, max_splits=4)
-    plan = plan_for(batch, ws, fused_reduce=fused, head_fast=head_fast)
+    # Each sequence in equal splits (the balanced split, which merges fused only, has its own
+    # tests in test_attention_balanced.py).
+    plan = plan_for(batch, ws, fused_reduce=fused, head_fast=head_fast, split_budget=0)
     assert plan.prefill is None and plan.decode.num_splits == 4
     sinks = torch.linspace(-1.0, 3.0, 8, device=DEVICE)
     for _ in range(2):  # a second call on the same workspace (a graph replay)
@@ -856,8 +862,13 @@ def test_reference_matches_dense_sdpa():
 
 
 def _variant(plan: attn.LaunchPlan) -> tuple:
-    """What makes a compiled variant: the plan without its split count (not specialized)."""
-    dec = dataclasses.replace(plan.decode, num_splits=min(plan.decode.num_splits, 2))
+    """What makes a compiled variant: the plan without its split count and budget (runtime
+    arguments, not specialized)."""
+    dec = dataclasses.replace(
+        plan.decode,
+        num_splits=min(plan.decode.num_splits, 2),
+        split_budget=min(plan.decode.split_budget, 2),
+    )
     return dec, plan.prefill
 
 
@@ -879,8 +890,10 @@ def test_reachable_plans_cover_every_batch(hq, hkv, d, warp_specialized):
         for q in (*range(1, 21), 512, 2048, 4096, 16384)
     }
     assert seen == reachable
-    # Start-up compiles each one; Hopper's warp-specialized decode kernel adds one variant.
-    assert len(reachable) <= 12 + warp_specialized
+    # Start-up compiles each one; Hopper's warp-specialized decode kernel adds one variant, the
+    # balanced split (batches of several sequences) one per split tile beside the plain split
+    # (one sequence).
+    assert len(reachable) <= 16 + warp_specialized
 
 
 def test_warm_up_launches_each_variant_without_touching_the_cache():

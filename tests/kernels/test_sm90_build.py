@@ -43,7 +43,8 @@ def _compile(fn, source_cls, constants: dict, kv: str, options: dict):
 
 
 def _fp8_decode_ptx() -> str:
-    """The PTX of the Triton decode kernel over an fp8 cache with a bf16 q."""
+    """The PTX of the Triton decode kernel over an fp8 cache with a bf16 q, in the balanced
+    split the rule gives split batches (its schedule's scan and search built too)."""
     from triton.compiler import ASTSource
 
     from fuselane.kernels.attention import decode
@@ -51,7 +52,7 @@ def _fp8_decode_ptx() -> str:
     constants = dict(
         NUM_Q_HEADS=32, GROUP=4, QPOS=1, BLOCK_M=16, HEAD_SIZE=128, HEAD_PAD=128, PAGE=16,
         TILE_N=128, SPLIT=True, FUSED_REDUCE=True, MERGE_M=4, RED_SPLITS=16, HEAD_FAST=True,
-        MAX_Q=0, SLIDING_WINDOW=0, USE_SOFTCAP=False, USE_SINKS=False, KV_FP8=True,
+        BALANCED=True, MAX_Q=0, SLIDING_WINDOW=0, USE_SOFTCAP=False, USE_SINKS=False, KV_FP8=True,
         UPCAST_DOT=False,
     )  # fmt: skip
     kernel = _compile(decode._decode_kernel, ASTSource, constants, "fp8e4nv",
