@@ -60,6 +60,10 @@ PROGRAM_OVERHEAD = 0.02
 # against 73; decode-split-sweep-h200-2026-11-26.json) and lost up to 4x on ragged ones, where
 # one long sequence unsplit is the whole launch (Qwen2.5-7B B=48 chat-like contexts 231 us
 # against FlashInfer's 59; kernels-h200-2026-11-26-parts1-3.json).
+# Batches the rule splits (two or more sequences) are cut by length, not per sequence
+# (_balanced_budget: as many pieces as their splits): ragged batches 1.3-4.4x faster, equal
+# contexts 1-7% slower for the schedule's scan in every program; unsplit batches stay unsplit,
+# where the scan cost equal contexts 16-25% (decode-balanced-sweep-h200-2026-11-27.json).
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
