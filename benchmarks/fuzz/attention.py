@@ -419,6 +419,7 @@ def _stats(cfg: dict, layer: dict, ws) -> dict:
         )  # fmt: skip
         stats["plan:prefill" if plan.prefill else "plan:decode_only"] = 1
         stats["plan:split"] = int(plan.decode.num_splits > 1)
+        stats["plan:balanced"] = int(plan.decode.split_budget > 0)
         stats["plan:hopper"] = int(
             plan.decode.warp_specialized or bool(plan.prefill and plan.prefill.warp_specialized)
         )

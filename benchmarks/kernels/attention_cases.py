@@ -215,7 +215,9 @@ def _other_decode_kernel(
         name, plan = "fuselane-ws", attn.LaunchPlan(decode=ws_decode, prefill=None)
     batch, options = p.bundles(**opts)
     d = plan.decode
-    extra = {"decode": f"splits={d.num_splits} tile={d.tile_n} s={d.num_stages}"}
+    extra = {
+        "decode": f"splits={d.num_splits} budget={d.split_budget} tile={d.tile_n} s={d.num_stages}"
+    }
 
     def setup():
         out = aw.nan_like(q)

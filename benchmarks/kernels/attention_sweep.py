@@ -108,7 +108,7 @@ def decode_label(dec: attn.DecodeConfig) -> str:
     )
     return (
         f"fuselane[tile={dec.tile_n},w={dec.num_warps},s={dec.num_stages},"
-        f"splits={dec.num_splits}{flags}]"
+        f"splits={dec.num_splits},budget={dec.split_budget}{flags}]"
     )
 
 

@@ -217,7 +217,8 @@ def default_plan(p: Problem, run: Runner, warp_specialized: bool | None = None) 
 def plan_extra(plan: attn.LaunchPlan) -> dict:
     d = plan.decode
     extra = {
-        "decode": f"splits={d.num_splits} tile={d.tile_n} w={d.num_warps} s={d.num_stages} "
+        "decode": f"splits={d.num_splits} budget={d.split_budget} tile={d.tile_n} "
+        f"w={d.num_warps} s={d.num_stages} "
         f"fused={d.fused_reduce} head_fast={d.head_fast} ws={d.warp_specialized}"
     }
     if plan.prefill is not None:
