@@ -324,10 +324,6 @@ def _merge_partials(
 BALANCE_SCAN = tl.constexpr(256)
 # Larger than any piece index: the "no sequence above" value of the schedule's search.
 NO_PIECE = tl.constexpr(1 << 30)
-# (piece end, sequence index + 1) packed in one int32 for a single max: index + 1 <= 256 < PACK,
-# piece ends <= the launch's items < 2^22 (launch_decode checks).
-PACK = tl.constexpr(512)
-MAX_BALANCED_ITEMS = 1 << 22
 
 
 @triton.jit
@@ -384,18 +380,9 @@ def _balanced_piece(item, num_seqs, budget, cu_q_ptr, seq_lens_ptr, TILE_N: tl.c
     batch of up to BALANCE_SCAN sequences is one load; a larger one two passes of blocks."""
     offs = tl.arange(0, BALANCE_SCAN)
     if num_seqs <= BALANCE_SCAN:
-        # Three block-wide steps (sum, prefix sum, max), each a barrier every program pays:
-        # the sequences ending at or before the item are a prefix (ends never decrease), so
-        # the largest of (end, index + 1) over them gives both its first piece and its
-        # sequence; the sequence's own piece count comes from its own lengths.
         tiles = _seq_tiles(offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q, SLIDING_WINDOW)
         chunk = tl.maximum(tl.cdiv(tl.sum(tiles, 0), budget), 1)
-        ends = tl.cumsum(tl.cdiv(tiles, chunk), 0)
-        last = tl.max(tl.where(ends <= item, ends * PACK + offs + 1, 0), 0)
-        first = last // PACK
-        seq = last % PACK
-        own = _seq_tiles(seq, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q, SLIDING_WINDOW)
-        end = first + tl.cdiv(own, chunk)
+        seq, first, end, _ = _find_piece(tiles, chunk, item, 0)
     else:
         total = 0
         for s0 in range(0, num_seqs, BALANCE_SCAN):
@@ -775,9 +762,6 @@ def launch_decode(
     dummy = seq_lens
     if balanced:
         items = num_seqs + budget
-        if items > MAX_BALANCED_ITEMS:
-            raise ValueError(f"DecodeConfig.split_budget: num_seqs + split_budget = {items} "
-                             f"programs per kv head, at most {MAX_BALANCED_ITEMS}")  # fmt: skip
         grid = (num_kv_heads, items) if head_fast else (items, num_kv_heads)
     elif head_fast:
         grid = (num_kv_heads, num_seqs, num_splits)
