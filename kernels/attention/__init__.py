@@ -44,15 +44,17 @@ all, since CUDA-graph replays change sequence lengths under a captured launch.
 
 Modules: `args` (the argument bundles `PagedBatch` and `AttentionOptions`, and the flat public
 signature), `plan` (launch rules), `workspace` (the split-KV scratch), `decode`, `prefill`
-(Triton kernels), `decode_ws`, `prefill_ws` (Hopper's Gluon kernels), `hopper` (whether those
+(Triton kernels), `balance` (the decode kernel's balanced split: each program's piece),
+`decode_ws`, `prefill_ws` (Hopper's Gluon kernels), `hopper` (whether those
 may run), `checks`, `run` (launching a plan, the start-up warm-up), `ops` (the entry points),
 `reference`.
 """
 
 from __future__ import annotations
 
-from . import args, checks, hopper, ops, plan, reference, run, workspace
+from . import args, balance, checks, hopper, ops, plan, reference, run, workspace
 from .args import AttentionOptions, PagedBatch
+from .balance import balanced_pieces
 from .checks import (
     check_supported,
 )
@@ -109,7 +111,6 @@ from .plan import (
     DecodeConfig,
     LaunchPlan,
     PrefillConfig,
-    balanced_pieces,
     decode_programs_per_sm,
     decode_schedules,
     decode_smem_bytes,
@@ -193,6 +194,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "attention_unchecked",
+    "balance",
     "balanced_pieces",
     "check_supported",
     "checks",

@@ -358,14 +358,6 @@ def _num_splits(
     return best
 
 
-def balanced_pieces(tiles: list[int], budget: int) -> list[int]:
-    """Pieces per sequence of the decode kernel's balanced split (`DecodeConfig.split_budget`),
-    as its programs compute them on the device from the sequences' KV tiles: pieces of at most
-    cdiv(total, budget) tiles, so their sum is at most budget + len(tiles)."""
-    chunk = max(cdiv(sum(tiles), budget), 1)
-    return [cdiv(t, chunk) for t in tiles]
-
-
 def plan_launch(
     *,
     num_seqs: int,

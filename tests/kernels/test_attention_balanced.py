@@ -24,7 +24,7 @@ from tests.kernels.test_attention import make_batch, plan_for, run_case, workspa
 
 def _tiles(q_lens: list[int], seq_lens: list[int], tile_n: int, window: int | None,
            max_q: int) -> list[int]:  # fmt: skip
-    """KV tiles the balanced split counts per sequence (`decode._seq_tiles`): a decode-only
+    """KV tiles the balanced split counts per sequence (`balance._seq_tiles`): a decode-only
     launch (max_q 0) reads the lengths alone, as if every query were one token."""
     out = []
     for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
@@ -96,7 +96,7 @@ def test_balanced_split_matches_reference_and_schedule(case):
 def test_balanced_split_beyond_one_scan_block():
     """More sequences than one block of the schedule's scan (two passes over the lengths);
     ~281 tiles in 140 pieces: chunk 3, so the two long sequences are cut."""
-    n = attn.decode.BALANCE_SCAN.value + 7
+    n = attn.balance.BALANCE_SCAN.value + 7
     seq_lens = [1 + (i * 37) % 50 for i in range(n)]
     seq_lens[200] = 1500  # a long one in the first block, another in the second
     seq_lens[n - 3] = 900
