@@ -478,7 +478,8 @@ def _decode_kernel(
             hi = tl.where(c == 0, split_hi, tile_hi)
             hi = tl.where((c > 0) & (split > 0), lo, hi)
             # One piece (balanced: a short sequence) writes its output as it is, no merge.
-            direct = (c > 0) | (pieces == 1)
+            # Compared as a row vector (Triton 3.9's interpreter, see store_direct below).
+            direct = (c > 0) | ((offs_m * 0 + pieces) == 1)
 
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -514,7 +515,7 @@ def _decode_kernel(
         )
         if SPLIT:
             # Partial row of (sequence, position), only for chunk 0 (positions < QPOS).
-            store_part = row_ok & (c == 0) & (pieces > 1)
+            store_part = row_ok & (c == 0) & ((offs_m * 0 + pieces) > 1)
             pidx = ((part_row0 + pos) * NUM_Q_HEADS + head) * part_cols + first + split
             tl.store(
                 part_o_ptr + pidx[:, None] * HEAD_PAD + offs_d[None, :],
