@@ -272,9 +272,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Recording:
     """The launches made inside `LaunchCache.record`, in order."""
 
-    __slots__ = ("broken", "launches")
+    __slots__ = ("broken", "kept", "launches")
 
     def __init__(self) -> None:
+        # Tensors made inside the recorded call that its replays read as they are (see
+        # `keep_with_recording`): fixed tensors the caller could not name in advance.
+        self.kept: list[torch.Tensor] = []
         # (compiled kernel or None, JIT function or None, grid, argument list, kwargs)
         self.launches: list[tuple[Any, Any, tuple[int, int, int], list, dict | None]] = []
         self.broken = False  # a launch that must not be replayed (a hook's, a compile-only)
@@ -294,6 +297,26 @@ _state = threading.local()
 def current_recording() -> _Recording | None:
     """The recording this thread is making (None: none)."""
     return getattr(_state, "recording", None)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Launches made inside are left out of this thread's recording: work a call does once for
+    the calls that replay it (the first layer of a step), which the replays must not repeat."""
+    recording = current_recording()
+    _state.recording = None
+    try:
+        yield
+    finally:
+        _state.recording = recording
+
+
+def keep_with_recording(t: torch.Tensor) -> None:
+    """Let the recording in progress (if any) pass `t` to its replays as it is: a tensor the
+    recorded call made or found that stays valid for every call its key matches."""
+    recording = current_recording()
+    if recording is not None:
+        recording.kept.append(t)
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
@@ -380,7 +403,7 @@ class LaunchCache:
             yield
         finally:
             _state.recording = None
-        entry = _entry(rec, slots, fixed)
+        entry = _entry(rec, slots, fixed + tuple(rec.kept))
         if entry is not None:
             if len(self._entries) >= self.max_entries:
                 # Keys name one step's metadata tensors: old steps' entries never hit again.

@@ -2,24 +2,35 @@
 
 A split decode launch of `num_seqs + budget` programs per kv head (`DecodeConfig.split_budget`)
 cuts the batch's KV tiles into pieces of at most cdiv(total, budget) tiles, each sequence into
-equal pieces, numbered sequence by sequence; every program computes its own (sequence, piece,
-pieces) from the batch's lengths on the device (`balanced_piece`, called at the top of
-`decode._decode_kernel`), so a CUDA graph replays it for any lengths. `balanced_pieces` is the
+equal pieces, numbered sequence by sequence. `_schedule_kernel` writes each program's (sequence,
+piece, pieces) from the batch's lengths on the device, once per step and launch shape
+(`balanced_schedule`: the step's first layer launches it, its other layers read the same
+table), so a CUDA graph that captured it replays it for any lengths. `balanced_pieces` is the
 same count on the host, for tests and the workspace bound (`workspace.workspace_budget`).
 Measurements and the rule: docs/tuning/attention.md, "Balanced split".
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv
+from .._launch import cdiv, keep_with_recording, launch, unrecorded
 
-# Sequences scanned per step by the balanced split's schedule (vLLM's default max_num_seqs in one).
+if TYPE_CHECKING:
+    from .args import PagedBatch
+
+# Sequences read per block by the schedule kernel (vLLM's default max_num_seqs in one).
 BALANCE_SCAN = tl.constexpr(256)
+# Programs of the decode launch each program of the schedule kernel writes the entry of.
+SCHEDULE_ITEMS = 32
 # Larger than any piece index: the "no sequence above" value of the schedule's search.
 NO_PIECE = tl.constexpr(1 << 30)
+# int32 per schedule entry: (sequence, piece, pieces, unused), one 16-byte line.
+ENTRY = tl.constexpr(4)
 
 
 @triton.jit
@@ -27,12 +38,11 @@ def _seq_tiles(s, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N: tl.constexpr, MAX_Q:
                SLIDING_WINDOW: tl.constexpr):  # fmt: skip
     """KV tiles the balanced split counts for each sequence of the vector `s` (0 past the batch).
 
-    Only the counts' consistency matters for exactness: every program of a sequence derives
-    the same piece count from them and cuts its own exact tile range into that many pieces.
-    A decode-only launch (MAX_Q == 0) reads seq_lens alone (one load per program, not three):
-    padding requests have length 0, and a window is counted as for one query token. With
-    prefill chunks in the batch (MAX_Q > 0) their sequences, which are the prefill kernel's,
-    count 0 and take no piece."""
+    Only the counts' consistency matters for exactness: every program of a sequence gets the
+    same piece count and cuts its own exact tile range into that many pieces. A decode-only
+    launch (MAX_Q == 0) reads seq_lens alone: padding requests have length 0, and a window is
+    counted as for one query token. With prefill chunks in the batch (MAX_Q > 0) their
+    sequences, which are the prefill kernel's, count 0 and take no piece."""
     ok = s < num_seqs
     seq_len = tl.load(seq_lens_ptr + s, mask=ok, other=0)
     q_len = tl.full(s.shape, 1, tl.int32)
@@ -49,60 +59,109 @@ def _seq_tiles(s, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N: tl.constexpr, MAX_Q:
     return tl.where(own, tiles, 0)
 
 
-@triton.jit
-def _find_piece(tiles, chunk, item, done):
-    """Over one block of sequences: how many end their pieces at or before `item`, the largest
-    such end, the smallest end above it, and the pieces of the block and all before it."""
-    ends = tl.cumsum(tl.cdiv(tiles, chunk), 0) + done
-    before = ends <= item
-    count = tl.sum(before.to(tl.int32), 0)
-    first = tl.max(tl.where(before, ends, 0), 0)
-    end = tl.min(tl.where(before, NO_PIECE, ends), 0)
-    return count, first, end, tl.max(ends, 0)
+@triton.jit(do_not_specialize=["num_seqs", "budget", "items"])
+def _schedule_kernel(
+    sched_ptr,  # [items, ENTRY] int32 out: (sequence, piece, pieces, 0) of each decode program
+    cu_q_ptr,  # [num_seqs + 1] int32 (read if MAX_Q > 0)
+    seq_lens_ptr,  # [num_seqs] int32
+    num_seqs,
+    budget,
+    items,  # num_seqs + budget: the decode launch's programs per kv head
+    TILE_N: tl.constexpr,
+    MAX_Q: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    ITEMS: tl.constexpr,  # entries per program
+    SCAN: tl.constexpr,  # sequences per block
+):
+    """Each program fills ITEMS entries. The batch's tiles are cut into pieces of at most
+    chunk = cdiv(total, budget) tiles, sequence s into cdiv(tiles_s, chunk); sum <= budget +
+    num_seqs, so every piece has an item. Item i's sequence is the number of sequences whose
+    pieces all end at or before i (ends <= i: zero-piece sequences before it included, those
+    right after it not), its first piece the largest such end, its last + 1 the smallest end
+    above it. An item past the last piece gets a sequence >= num_seqs (nothing to do)."""
+    item = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
+    offs = tl.arange(0, SCAN)
+    total = 0
+    for s0 in range(0, num_seqs, SCAN):
+        tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
+                           SLIDING_WINDOW)  # fmt: skip
+        total += tl.sum(tiles, 0)
+    chunk = tl.maximum(tl.cdiv(total, budget), 1)
+    seq = tl.zeros([ITEMS], tl.int32)
+    first = tl.zeros([ITEMS], tl.int32)
+    end = tl.full([ITEMS], NO_PIECE, tl.int32)
+    done = 0
+    for s0 in range(0, num_seqs, SCAN):
+        tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
+                           SLIDING_WINDOW)  # fmt: skip
+        ends = tl.cumsum(tl.cdiv(tiles, chunk), 0) + done
+        before = ends[None, :] <= item[:, None]
+        seq += tl.sum(before.to(tl.int32), 1)
+        first = tl.maximum(first, tl.max(tl.where(before, ends[None, :], 0), 1))
+        end = tl.minimum(end, tl.min(tl.where(before, NO_PIECE, ends[None, :]), 1))
+        done = tl.max(ends, 0)
+    ok = item < items
+    row = sched_ptr + item * ENTRY
+    tl.store(row, seq, mask=ok)
+    tl.store(row + 1, item - first, mask=ok)
+    tl.store(row + 2, end - first, mask=ok)
+    tl.store(row + 3, tl.zeros_like(item), mask=ok)
 
 
-@triton.jit
-def balanced_piece(item, num_seqs, budget, cu_q_ptr, seq_lens_ptr, TILE_N: tl.constexpr,
-                    MAX_Q: tl.constexpr, SLIDING_WINDOW: tl.constexpr):  # fmt: skip
-    """(sequence, piece, pieces) of program `item` under the balanced split, computed by every
-    program from the batch's lengths (nothing on the host: a CUDA graph replays it for any
-    lengths). The batch's KV tiles are cut into pieces of at most chunk = cdiv(total, budget)
-    tiles, each sequence into cdiv(tiles, chunk) equal pieces, numbered sequence by sequence.
-    Sum over sequences of cdiv(tiles, chunk) <= total / chunk + num_seqs <= budget + num_seqs:
-    the launch's item count. An item past the last piece gets a sequence >= num_seqs.
+def balanced_schedule(
+    batch: PagedBatch, budget: int, tile_n: int, max_q: int, window: int
+) -> torch.Tensor:
+    """The [num_seqs + budget, ENTRY] int32 schedule of a balanced decode launch of `batch`.
 
-    The item's sequence is the number of sequences whose pieces all come before it (ends <=
-    item), its first piece the largest such end, its last + 1 the smallest end above it. A
-    batch of up to BALANCE_SCAN sequences is one load; a larger one two passes of blocks."""
-    offs = tl.arange(0, BALANCE_SCAN)
-    if num_seqs <= BALANCE_SCAN:
-        tiles = _seq_tiles(offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q, SLIDING_WINDOW)
-        chunk = tl.maximum(tl.cdiv(tl.sum(tiles, 0), budget), 1)
-        seq, first, end, _ = _find_piece(tiles, chunk, item, 0)
-    else:
-        total = 0
-        for s0 in range(0, num_seqs, BALANCE_SCAN):
-            tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
-                               SLIDING_WINDOW)  # fmt: skip
-            total += tl.sum(tiles, 0)
-        chunk = tl.maximum(tl.cdiv(total, budget), 1)
-        seq = 0
-        first = 0
-        end = NO_PIECE
-        done = 0
-        for s0 in range(0, num_seqs, BALANCE_SCAN):
-            tiles = _seq_tiles(s0 + offs, num_seqs, cu_q_ptr, seq_lens_ptr, TILE_N, MAX_Q,
-                               SLIDING_WINDOW)  # fmt: skip
-            count, block_first, block_end, done = _find_piece(tiles, chunk, item, done)
-            seq += count
-            first = tl.maximum(first, block_first)
-            end = tl.minimum(end, block_end)
-    return seq, item - first, end - first
+    Launched once per batch and launch shape: the step's later layers (same batch, same tile,
+    budget and window) read the table the first one wrote. It is kept on the batch under its
+    shape, the versions of the batch's length tensors (an in-place update computes it again)
+    and whether a CUDA graph is being captured: a table written inside a capture is the
+    graph's (the graph's replays write it), one written outside is not, so neither is read
+    by the other. An eager call drops those written in a capture, so a batch captured again
+    after an eager warm-up (as benchmarks time graphs) launches its own into the new graph.
+
+    The launch is left out of any launch recording (`_launch.unrecorded`): a replay for a later
+    layer reads the table and must not write it again; the recording keeps the table itself
+    (`_launch.keep_with_recording`).
+    """
+    cu_q, seq_lens = batch.cu_seqlens_q, batch.seq_lens
+    capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    schedules = batch.schedules
+    if not capturing and schedules:
+        for key in [k for k in schedules if k[-1]]:
+            del schedules[key]
+    key = (budget, tile_n, max_q, window, seq_lens._version, cu_q._version, capturing)
+    table = schedules.get(key)
+    if table is None:
+        num_seqs = seq_lens.shape[0]
+        items = num_seqs + budget
+        table = torch.empty(items, ENTRY.value, dtype=torch.int32, device=seq_lens.device)
+        with unrecorded():
+            launch(
+                _schedule_kernel,
+                (cdiv(items, SCHEDULE_ITEMS),),
+                table,
+                cu_q,
+                seq_lens,
+                num_seqs,
+                budget,
+                items,
+                TILE_N=tile_n,
+                MAX_Q=max_q,
+                SLIDING_WINDOW=window,
+                ITEMS=SCHEDULE_ITEMS,
+                SCAN=BALANCE_SCAN.value,
+                num_warps=4,
+            )
+        schedules[key] = table
+    keep_with_recording(table)
+    return table
 
 
 def balanced_pieces(tiles: list[int], budget: int) -> list[int]:
     """Pieces per sequence of the decode kernel's balanced split (`DecodeConfig.split_budget`),
-    as its programs compute them on the device from the sequences' KV tiles: pieces of at most
-    cdiv(total, budget) tiles, so their sum is at most budget + len(tiles)."""
+    as the schedule kernel computes them on the device from the sequences' KV tiles: pieces of
+    at most cdiv(total, budget) tiles, so their sum is at most budget + len(tiles)."""
     chunk = max(cdiv(sum(tiles), budget), 1)
     return [cdiv(t, chunk) for t in tiles]

@@ -18,9 +18,10 @@ no score select), and the tiles that reach the query's own position or the seque
 (masked). `_attend_tiles` is that loop body; the prefill kernel uses it too.
 
 Balanced split (`BALANCED`, `DecodeConfig.split_budget > 0`): instead of (sequence, kv head,
-split) the grid is (kv head, item), and each program finds the piece of the sequence it owns
-from the batch's lengths (`balance.balanced_piece`): a long sequence among short ones is cut
-into several pieces, a short one stays whole and writes its output directly.
+split) the grid is (kv head, item), and each program reads the (sequence, piece, pieces) it
+owns from the batch's schedule (`balance.balanced_schedule`, written on the device once per
+step): a long sequence among short ones is cut into several pieces, a short one stays whole
+and writes its output directly.
 
 CUDA graphs: the grid and every constexpr depend only on the batch shape. Each program reads
 its sequence's lengths on the device and derives its own KV range from them; a split whose
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch, next_pow2
-from .balance import balanced_piece
+from .balance import ENTRY, balanced_schedule
 
 if TYPE_CHECKING:
     from .args import AttentionOptions, PagedBatch
@@ -343,6 +344,7 @@ def _decode_kernel(
     part_o_ptr,  # [num_seqs * QPOS, Hq, num_splits, HEAD_PAD] fp32 workspace (if SPLIT)
     part_ml_ptr,  # [num_seqs * QPOS, Hq, num_splits, 2] fp32 workspace: (m, l) in base 2
     counter_ptr,  # [num_seqs * Hkv] int32 workspace, zero between launches (if FUSED_REDUCE)
+    sched_ptr,  # [num_seqs + budget, ENTRY] int32: (sequence, piece, pieces) (if BALANCED)
     scale,  # fp32 softmax scale
     softcap,  # fp32, used only if USE_SOFTCAP
     num_splits,  # programs per (sequence, kv head); 1 unless SPLIT (not read if BALANCED)
@@ -383,8 +385,10 @@ def _decode_kernel(
     if BALANCED:
         item = tl.program_id(1) if HEAD_FAST else tl.program_id(0)
         kv_head = tl.program_id(0) if HEAD_FAST else tl.program_id(1)
-        seq, split, pieces = balanced_piece(item, num_seqs, budget, cu_q_ptr, seq_lens_ptr,
-                                             TILE_N, MAX_Q, SLIDING_WINDOW)  # fmt: skip
+        entry = sched_ptr + item * ENTRY
+        seq = tl.load(entry)
+        split = tl.load(entry + 1)
+        pieces = tl.load(entry + 2)
         if seq >= num_seqs:  # past the batch's last piece
             return
         # Partial of piece j of (position p, head h): [QPOS, Hq, num_seqs + budget] at column
@@ -686,6 +690,7 @@ def launch_decode(
     if balanced:
         items = num_seqs + budget
         grid = (num_kv_heads, items) if head_fast else (items, num_kv_heads)
+        schedule = balanced_schedule(batch, budget, tile_n, max_q, options.window)
     elif head_fast:
         grid = (num_kv_heads, num_seqs, num_splits)
     else:
@@ -706,6 +711,7 @@ def launch_decode(
         part_o if split else dummy,
         part_ml if split else dummy,
         counters if fused else dummy,
+        schedule if balanced else dummy,
         float(options.scale),
         softcap if softcap > 0 else 1.0,
         num_splits,

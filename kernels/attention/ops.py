@@ -159,7 +159,11 @@ def attention_unchecked(
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         b, o = batch, options
         # Everything a launch depends on besides the layer's own tensors (see LaunchCache).
+        # The lengths' versions too: a balanced split's schedule, which the recording keeps
+        # (`balance.balanced_schedule`), holds for these lengths; one updated in place
+        # records anew.
         key = (
+            b.seq_lens._version, b.cu_seqlens_q._version,
             id(b.cu_seqlens_q), id(b.seq_lens), id(b.block_table), id(workspace), q.shape,
             q.stride(), q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape,
             key_cache.stride(), value_cache.shape, value_cache.stride(), key_cache.dtype,

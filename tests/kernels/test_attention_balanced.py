@@ -19,7 +19,19 @@ import torch
 
 from fuselane.kernels import attention as attn
 from fuselane.kernels._checks import FP8_E4M3
-from tests.kernels.test_attention import make_batch, plan_for, run_case, workspace
+from fuselane.kernels.attention import paged_attention_reference
+from tests.allclose import assert_close
+from tests.device import DEVICE
+from tests.kernels.test_attention import (
+    TOL,
+    attention_options,
+    make_batch,
+    nan_out,
+    paged_batch,
+    plan_for,
+    run_case,
+    workspace,
+)
 
 
 def _tiles(q_lens: list[int], seq_lens: list[int], tile_n: int, window: int | None,
@@ -167,3 +179,101 @@ def test_balanced_config_is_a_distinct_compiled_variant():
     plan = attn.plan_launch(num_seqs=2, num_q_heads=4, num_kv_heads=2, head_size=64,
                             max_query_len=1, sms=132, workspace=None)  # fmt: skip
     assert dataclasses.replace(plan.decode, split_budget=3) != plan.decode
+
+
+def _expected_schedule(pieces: list[int], items: int) -> list[tuple[int, int, int]]:
+    """(sequence, piece, pieces) of each decode program, from the host mirror's counts."""
+    rows = [(s, k, p) for s, p in enumerate(pieces) for k in range(p)]
+    return rows + [(None, None, None)] * (items - len(rows))
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_lens, tile_n, window, max_q, budget",
+    [
+        ([1, 16, 17, 3000, 40, 2], None, 16, 0, 0, 6),
+        ([700, 129, 1], None, 32, 0, 0, 1),
+        ([700, 129, 1], None, 32, 0, 0, 40),  # more pieces than tiles
+        ([900, 0, 33, 0, 5000], None, 64, 0, 0, 10),  # padding takes no piece
+        ([1500, 30, 700, 4000], None, 16, 300, 0, 9),  # the window's tiles only
+        ([2000, 190, 40, 400], [1, 90, 1, 3], 16, 0, 8, 5),  # the prefill chunk takes none
+        # more sequences than one block of the kernel's scan, long ones in both blocks
+        ([1 + (i * 37) % 50 if i not in (3, 200, 280) else 4000 for i in range(283)], None,
+         16, 0, 0, 200),
+    ],
+)  # fmt: skip
+def test_schedule_kernel_matches_the_host_mirror(seq_lens, q_lens, tile_n, window, max_q, budget):
+    """Every entry of the schedule table, against `balanced_pieces` over the same tile counts."""
+    q_lens = q_lens or [1 if s > 0 else 0 for s in seq_lens]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    device = DEVICE
+    batch = attn.PagedBatch(
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=device),
+        max(q_lens),
+    )
+    table = attn.balance.balanced_schedule(batch, budget, tile_n, max_q, window).cpu()
+    items = len(seq_lens) + budget
+    assert tuple(table.shape) == (items, attn.balance.ENTRY.value)
+    pieces = attn.balanced_pieces(_tiles(q_lens, seq_lens, tile_n, window or None, max_q), budget)
+    for item, (got, want) in enumerate(zip(table.tolist(), _expected_schedule(pieces, items),
+                                           strict=True)):  # fmt: skip
+        if want[0] is None:
+            assert got[0] >= len(seq_lens), f"item {item}: {got} past the last piece"
+        else:
+            assert tuple(got[:3]) == want, f"item {item}: {got[:3]} != {want}"
+
+
+def test_schedule_is_written_once_per_batch_and_again_after_an_in_place_update():
+    device = DEVICE
+    batch = attn.PagedBatch(
+        torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+        torch.tensor([3000, 5], dtype=torch.int32, device=device),
+        torch.zeros(2, 1, dtype=torch.int32, device=device),
+        1,
+    )
+    first = attn.balance.balanced_schedule(batch, 8, 16, 0, 0)
+    assert attn.balance.balanced_schedule(batch, 8, 16, 0, 0) is first
+    assert attn.balance.balanced_schedule(batch, 8, 32, 0, 0) is not first  # another tile
+    batch.seq_lens[1] = 4000  # an in-place update: the lengths' version changes
+    again = attn.balance.balanced_schedule(batch, 8, 16, 0, 0)
+    assert again is not first
+    assert again[:, 0].tolist() != first[:, 0].tolist()
+
+
+def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a_new_one():
+    """vLLM's later layers replay the first one's recorded decode launch (`attention_unchecked`)
+    without the schedule launch. A batch whose lengths change in place must not replay a
+    schedule of the old lengths: there a sequence that was padding has no piece, its rows
+    would stay NaN."""
+    batch = make_batch([1, 1, 1], [1500, 40, 700], num_q_heads=8, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=31)  # fmt: skip
+    ws = workspace(8, 128, max_splits=8, rows=16)
+    assert plan_for(batch, ws).decode.split_budget > 0, "the rule should balance this batch"
+    cu, lens = batch["cu_seqlens_q"], batch["seq_lens"]
+    full_cu, full_lens = cu.clone(), lens.clone()
+    paged = paged_batch(batch)
+    options = attention_options(batch)
+    q, kc, vc = batch["q"], batch["key_cache"], batch["value_cache"]
+    # Step 1: sequence 1 is padding (no query, no keys).
+    cu.copy_(torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=DEVICE))
+    lens.copy_(torch.tensor([1500, 0, 700], dtype=torch.int32, device=DEVICE))
+    hits = attn.ops.LAUNCHES.hits
+    for _ in range(2):  # a step's first layer, then a replayed one
+        out = nan_out(q)
+        attn.attention_unchecked(q, kc, vc, out, paged, options, ws)
+    assert attn.ops.LAUNCHES.hits == hits + 1
+    expected = nan_out(q)
+    ref = {k: v for k, v in batch.items() if k != "num_rows"}
+    paged_attention_reference(out=expected, **ref)
+    atol, rtol = TOL[q.dtype]
+    assert_close(out[:2], expected[:2], atol=atol, rtol=rtol, what="attention")
+    # Step 2, same batch object and tensors: sequence 1 has its query and keys again.
+    cu.copy_(full_cu)
+    lens.copy_(full_lens)
+    out = nan_out(q)
+    attn.attention_unchecked(q, kc, vc, out, paged, options, ws)
+    paged_attention_reference(out=expected, **ref)
+    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")

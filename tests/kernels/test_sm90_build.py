@@ -22,7 +22,8 @@ from fuselane.kernels._triton_compat import gluon_hopper_missing
 
 SM90 = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "cu_q_ptr": "*i32",
-                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "counter_ptr": "*i32"}  # fmt: skip
+                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "counter_ptr": "*i32",
+                 "sched_ptr": "*i32"}  # fmt: skip
 FP32_POINTERS = ("part_o_ptr", "part_ml_ptr", "sinks_ptr", "k_scale_ptr", "v_scale_ptr")
 
 
@@ -44,7 +45,7 @@ def _compile(fn, source_cls, constants: dict, kv: str, options: dict):
 
 def _fp8_decode_ptx() -> str:
     """The PTX of the Triton decode kernel over an fp8 cache with a bf16 q, in the balanced
-    split the rule gives split batches (its schedule's scan and search built too)."""
+    split the rule gives split batches (reading its schedule)."""
     from triton.compiler import ASTSource
 
     from fuselane.kernels.attention import decode
@@ -58,6 +59,19 @@ def _fp8_decode_ptx() -> str:
     kernel = _compile(decode._decode_kernel, ASTSource, constants, "fp8e4nv",
                       dict(num_warps=4, num_stages=3))  # fmt: skip
     return kernel.asm["ptx"]
+
+
+def _schedule_kernel_builds() -> bool:
+    """The balanced split's schedule kernel, as the decode launches of a windowed mixed batch
+    use it, built through ptxas."""
+    from triton.compiler import ASTSource
+
+    from fuselane.kernels.attention import balance
+
+    constants = dict(TILE_N=128, MAX_Q=8, SLIDING_WINDOW=4096, ITEMS=balance.SCHEDULE_ITEMS,
+                     SCAN=balance.BALANCE_SCAN.value)  # fmt: skip
+    kernel = _compile(balance._schedule_kernel, ASTSource, constants, "bf16", dict(num_warps=4))
+    return bool(kernel.asm["cubin"])
 
 
 DECODE_WS_VARIANTS = [  # (kv, head, tile, slots, window, softcap, sinks, split)
@@ -89,7 +103,7 @@ def _decode_ws_shared(kv, head, tile, slots, window, softcap, sinks, split) -> i
 
 def _main() -> None:
     """The subprocess: every build, as one JSON line."""
-    out: dict[str, object] = {"fp8_ptx": _fp8_decode_ptx()}
+    out: dict[str, object] = {"fp8_ptx": _fp8_decode_ptx(), "schedule": _schedule_kernel_builds()}
     if gluon_hopper_missing() is None:
         out["decode_ws_shared"] = [_decode_ws_shared(*v) for v in DECODE_WS_VARIANTS]
     print(json.dumps(out))
@@ -116,6 +130,10 @@ def test_fp8_query_is_scaled_in_fp32_before_fp16(builds):
     q_convert = re.search(r"cvt\.f32\.bf16[^\n]*\n(?:[^\n]*\n){0,6}?[^\n]*cvt\.rn\.f16x2\.f32", ptx)
     assert q_convert is not None and "mul.f32" in q_convert.group(0), "q scaled after fp16"
     assert "mul.f16x2" not in ptx
+
+
+def test_balanced_schedule_kernel_builds(builds):
+    assert builds["schedule"] is True
 
 
 @pytest.mark.skipif(gluon_hopper_missing() is not None, reason="no Gluon Hopper API")
