@@ -60,10 +60,13 @@ PROGRAM_OVERHEAD = 0.02
 # against 73; decode-split-sweep-h200-2026-11-26.json) and lost up to 4x on ragged ones, where
 # one long sequence unsplit is the whole launch (Qwen2.5-7B B=48 chat-like contexts 231 us
 # against FlashInfer's 59; kernels-h200-2026-11-26-parts1-3.json).
-# Batches the rule splits (two or more sequences) are cut by length, not per sequence
-# (_balanced_budget: as many pieces as their splits): ragged batches 1.3-4.4x faster, equal
-# contexts 1-7% slower for the schedule's scan in every program; unsplit batches stay unsplit,
-# where the scan cost equal contexts 16-25% (decode-balanced-sweep-h200-2026-11-27.json).
+# Batches of two or more sequences are cut by length, not per sequence (_balanced_budget):
+# those the rule splits into as many pieces as their splits (ragged batches 1.3-4.4x faster,
+# equal contexts within 1-3% now that the schedule is written once per step), those it does
+# not split into at most one piece per sequence more (BALANCED_UNSPLIT_PIECES): ragged batches
+# 1.2-2.4x faster (Llama-3-8B B=48 chat-like 248.8 -> 114.5 us), equal contexts 8-14% slower,
+# the split-capable variant's cost (decode-balanced-sweep-h200-2026-11-27.json, run 6).
+BALANCED_UNSPLIT_PIECES = 1
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
@@ -504,15 +507,17 @@ def _balanced_budget(
     splits: int,
     workspace: SplitRoom | None,
 ) -> int:
-    """The balanced split's budget for a batch the 3-stage schedule splits `splits` ways: as
-    many pieces as those splits (a batch of equal lengths is cut as before), at most what the
-    workspace holds; 0 (no balanced split) for a batch the rule does not split, and for one
-    sequence (nothing to balance: the plain split, without the schedule's scan)."""
-    if splits < 2 or workspace is None or num_seqs < 2:
+    """The balanced split's budget for a batch the 3-stage schedule splits `splits` ways (1:
+    not at all): as many pieces as those splits (a batch of equal lengths is cut as before),
+    or BALANCED_UNSPLIT_PIECES per sequence for a batch it does not split (a long sequence among
+    short ones still gets pieces), at most what the workspace holds; 0 (no balanced split) for
+    one sequence (nothing to balance: the plain split, without a schedule)."""
+    if workspace is None or num_seqs < 2:
         return 0
     room = workspace_budget(workspace, qpos, num_q_heads, next_pow2(head_size), num_seqs,
                             num_kv_heads)  # fmt: skip
-    return min(num_seqs * splits, room)
+    pieces = splits if splits >= 2 else BALANCED_UNSPLIT_PIECES
+    return min(num_seqs * pieces, room)
 
 
 def _decode_ws_config(
