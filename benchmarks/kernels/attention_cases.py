@@ -155,9 +155,12 @@ def prepare(ctx: Context, case: Case) -> Prepared:
         prep.flops = 4.0 * hq * d * pairs
 
     def fuselane():
+        # As vLLM's backend calls it: one PagedBatch per step, which every layer's call shares
+        # (a balanced split's schedule is written by the step's first call, read by the rest).
         out = aw.nan_like(p.q)
-        args = p.args(**opts)
-        return lambda: attn.paged_attention(out=out, workspace=ws, **args), _check(expected, out)
+        batch, options = p.bundles(**opts)
+        q, kc, vc = p.q, p.key_cache, p.value_cache
+        return lambda: attn.attention(q, kc, vc, out, batch, options, ws), _check(expected, out)
 
     prep.impls.append(Impl("fuselane", "fuselane", fuselane))
     if decode:

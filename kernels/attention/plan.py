@@ -65,8 +65,11 @@ PROGRAM_OVERHEAD = 0.02
 # equal contexts within 1-3% now that the schedule is written once per step), those it does
 # not split into at most one piece per sequence more (BALANCED_UNSPLIT_PIECES): ragged batches
 # 1.2-2.4x faster (Llama-3-8B B=48 chat-like 248.8 -> 114.5 us), equal contexts 8-14% slower,
-# the split-capable variant's cost (decode-balanced-sweep-h200-2026-11-27.json, run 6).
+# the split-capable variant's cost (decode-balanced-sweep-h200-2026-11-27.json, run 6); up to
+# BALANCED_UNSPLIT_MAX_SEQS sequences: at B=256 equal contexts cost 17-58% (Llama-3-70B TP8
+# 14.6 -> 23.1 us; kernels-h200-2026-11-27-schedule-decode.json) and no ragged B=256 is measured.
 BALANCED_UNSPLIT_PIECES = 1
+BALANCED_UNSPLIT_MAX_SEQS = 128
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
 CPU_SM_COUNT = 132
 # Largest grid extent on CUDA's second and third axes.
@@ -510,12 +513,15 @@ def _balanced_budget(
     """The balanced split's budget for a batch the 3-stage schedule splits `splits` ways (1:
     not at all): as many pieces as those splits (a batch of equal lengths is cut as before),
     or BALANCED_UNSPLIT_PIECES per sequence for a batch it does not split (a long sequence among
-    short ones still gets pieces), at most what the workspace holds; 0 (no balanced split) for
-    one sequence (nothing to balance: the plain split, without a schedule)."""
+    short ones still gets pieces) of up to BALANCED_UNSPLIT_MAX_SEQS sequences, at most what the
+    workspace holds; 0 (no balanced split) for one sequence (nothing to balance: the plain
+    split, without a schedule) and larger unsplit batches."""
     if workspace is None or num_seqs < 2:
         return 0
     room = workspace_budget(workspace, qpos, num_q_heads, next_pow2(head_size), num_seqs,
                             num_kv_heads)  # fmt: skip
+    if splits < 2 and num_seqs > BALANCED_UNSPLIT_MAX_SEQS:
+        return 0
     pieces = splits if splits >= 2 else BALANCED_UNSPLIT_PIECES
     return min(num_seqs * pieces, room)
 
@@ -594,8 +600,12 @@ def reachable_plans(
     split plan is given 2 splits, a balanced one a budget of 2."""
     group = num_q_heads // num_kv_heads
     qpos_cap = max(1, min(DECODE_MAX_QUERY_LEN, DECODE_MAX_ROWS // group))
-    # Beyond this many sequences every plan is the unsplit 3-stage one.
-    most_seqs = -(-NO_SPLIT_CTAS_PER_SM * sms // num_kv_heads) + 1
+    # Beyond this many sequences every plan is the unsplit 3-stage one: no balanced split past
+    # BALANCED_UNSPLIT_MAX_SEQS, and from 1 / WAVE_FILL_MARGIN - 1 waves of the 3-stage slots
+    # on its fill is within the margin of any other (so 5 stages are never taken).
+    waves = round(1 / WAVE_FILL_MARGIN)
+    most_seqs = max(cdiv(waves * NO_SPLIT_CTAS_PER_SM * sms, num_kv_heads),
+                    BALANCED_UNSPLIT_MAX_SEQS) + 1  # fmt: skip
     plans: list[LaunchPlan] = []
     for max_query_len in (1, 2, qpos_cap + 1, 1 << 20):
         for num_seqs in range(1, most_seqs + 1):

@@ -559,9 +559,10 @@ def test_decode_launch_kept_while_a_cuda_graph_is_captured(monkeypatch):
 def test_split_rule_follows_batch_size():
     """Hq=32, Hkv=8, D=128 bf16 on 132 SMs. Two schedules, each with its own split count: 3
     stages with two programs per SM (264 slots, kv-head-fastest grid) or 5 stages with one
-    (132 slots). 5 stages only for a batch that is not cut by length (one sequence: the
-    plain split); every batch of several sequences is (B=48 too, which 5 stages would fill
-    better unsplit: 384 programs fill 97% of 132 x 3 waves, 73% of 264 x 2). As many splits
+    (132 slots). 5 stages only for a batch that is not cut by length and that they run
+    unsplit and fill the waves of clearly better; batches of 2 to 128 sequences are cut (B=48
+    too, which 5 stages would fill better unsplit: 384 programs fill 97% of 132 x 3 waves, 73%
+    of 264 x 2). As many splits
     as fill one wave (B=1: 33 x 8 = 264 programs), none once the batch fills it, the split
     count of least modelled time in between (B=20: 3 splits = 480 programs = two waves nearly
     full)."""
@@ -575,10 +576,21 @@ def test_split_rule_follows_batch_size():
     assert [p.num_stages for p in plans] == [3] * 10
     assert [p.num_splits for p in plans] == [33, 16, 8, 4, 2, 3, 1, 1, 1, 1]
     # A batch of several sequences is cut by length (balanced split): into as many pieces as
-    # its equal-length splits, or one more piece per sequence where it has no split.
-    assert [p.split_budget for p in plans] == [0, 32, 32, 32, 32, 60, 32, 48, 64, 256]
-    assert attn.plan_launch(num_seqs=48, num_q_heads=32, num_kv_heads=8, head_size=128,
-                            max_query_len=1, sms=132, workspace=None).decode.num_stages == 5
+    # its equal-length splits, or one more piece per sequence where it has no split, up to
+    # BALANCED_UNSPLIT_MAX_SEQS (128) sequences.
+    assert [p.split_budget for p in plans] == [0, 32, 32, 32, 32, 60, 32, 48, 64, 0]
+    assert (
+        attn.plan_launch(
+            num_seqs=48,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            max_query_len=1,
+            sms=132,
+            workspace=None,
+        ).decode.num_stages
+        == 5
+    )
     for b, p in zip(batches, plans, strict=True):
         assert (p.tile_n, p.num_warps, p.fused_reduce) == (128, 4, True)
         assert p.head_fast == (p.num_stages == attn.DECODE_STAGES)
@@ -894,8 +906,9 @@ def test_reachable_plans_cover_every_batch(hq, hkv, d, warp_specialized):
     assert seen == reachable
     # Start-up compiles each one; Hopper's warp-specialized decode kernel adds one variant, the
     # balanced split (batches of several sequences) one per split tile beside the plain split
-    # (one sequence).
-    assert len(reachable) <= 16 + warp_specialized
+    # (one sequence), and the unsplit one beyond BALANCED_UNSPLIT_MAX_SEQS sequences stays
+    # (18 for 7 query heads per kv head).
+    assert len(reachable) <= 18 + warp_specialized
 
 
 def test_warm_up_launches_each_variant_without_touching_the_cache():
