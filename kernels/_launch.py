@@ -336,8 +336,9 @@ class LaunchCache:
 
     The caller's `key` must determine everything about a call except the addresses of its
     `slots` tensors: the slots' shapes, strides and dtypes, every host int, float and flag, and
-    the identity (`id`) of each other tensor the call passes (its `fixed` tensors). An entry
-    keeps its fixed tensors alive, so their ids cannot be reused while it exists. A recording
+    the identity (`id`) of each other tensor the call passes (its `fixed` tensors; `fixed`
+    may also hold other objects whose `id` the key names). An entry keeps its fixed objects
+    alive, so their ids cannot be reused while it exists. A recording
     is kept only when every tensor argument of every launch is one of its slots or fixed
     tensors (a tensor derived from a slot, replayed as the recorded one, would read another
     layer's data), no launch went through a hook, and no tensor fills two slots. A replay
@@ -392,7 +393,7 @@ class LaunchCache:
         self,
         key: tuple,
         slots: tuple[torch.Tensor | None, ...],
-        fixed: tuple[torch.Tensor | None, ...],
+        fixed: tuple[object | None, ...],
     ) -> Iterator[None]:
         """Record the launches made inside, under `key`, if they can be replayed."""
         if current_recording() is not None:  # nested: the outer recording holds these launches
@@ -414,7 +415,7 @@ class LaunchCache:
 def _entry(
     rec: _Recording,
     slots: tuple[torch.Tensor | None, ...],
-    fixed: tuple[torch.Tensor | None, ...],
+    fixed: tuple[object | None, ...],
 ) -> tuple | None:
     """A cache entry for `rec` (None: not replayable): per launch the argument list with the
     slots' places emptied and fixed tensors as addresses, and those places."""

@@ -159,11 +159,13 @@ def attention_unchecked(
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         b, o = batch, options
         # Everything a launch depends on besides the layer's own tensors (see LaunchCache).
-        # The lengths' versions too: a balanced split's schedule, which the recording keeps
-        # (`balance.balanced_schedule`), holds for these lengths; one updated in place
-        # records anew.
+        # The batch itself and its lengths' versions too: a balanced split's schedule, which
+        # the recording keeps (`balance.balanced_schedule`), holds for this batch's lengths. A
+        # new step is a new PagedBatch even where its tensors are the same objects written
+        # without a version bump (by a kernel or a graph), and lengths updated in place record
+        # anew. (Callers of the flat form build a PagedBatch per call: they record every call.)
         key = (
-            b.seq_lens._version, b.cu_seqlens_q._version,
+            id(b), b.seq_lens._version, b.cu_seqlens_q._version,
             id(b.cu_seqlens_q), id(b.seq_lens), id(b.block_table), id(workspace), q.shape,
             q.stride(), q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape,
             key_cache.stride(), value_cache.shape, value_cache.stride(), key_cache.dtype,
@@ -173,7 +175,7 @@ def attention_unchecked(
         slots = (q, key_cache, value_cache, out, o.sinks, o.k_scale, o.v_scale)
         if LAUNCHES.replay(key, slots):
             return out
-        fixed = (b.cu_seqlens_q, b.seq_lens, b.block_table)
+        fixed = (b, b.cu_seqlens_q, b.seq_lens, b.block_table)
         if workspace is not None:
             fixed += (workspace.partial_out, workspace.partial_ml, workspace.counters)
         recording = LAUNCHES.record(key, slots, fixed)

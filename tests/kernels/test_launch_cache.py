@@ -20,7 +20,14 @@ from fuselane.kernels._checks import FP8_E4M3
 from fuselane.kernels._launch import LaunchCache
 from tests.allclose import assert_close
 from tests.device import DEVICE
-from tests.kernels.test_attention import TOL, make_batch, nan_out, workspace
+from tests.kernels.test_attention import (
+    TOL,
+    attention_options,
+    make_batch,
+    nan_out,
+    paged_batch,
+    workspace,
+)
 from tests.kernels.test_kv_cache import (
     assert_bitwise_equal,
     cache_views,
@@ -66,18 +73,53 @@ def test_attention_layers_replay_with_their_own_tensors(monkeypatch, kv_dtype, q
                        block_size=16, q_dtype=q_dtype, kv_dtype=kv_dtype, seed=41)  # fmt: skip
     num_rows = batch.pop("num_rows")
     ws = workspace(6, 64)
+    step = paged_batch(batch)  # one per step, every layer's call shares it (as vLLM's backend)
     for i in range(LAYERS):
         layer = batch if i == 0 else _other_layer(batch, seed=i)
         options = dict(sinks=torch.linspace(-1.0, 1.0 + i, 6, device=DEVICE), softcap=15.0)
         expected = attn.paged_attention_reference(out=nan_out(layer["q"]), **layer, **options)
         out = nan_out(layer["q"])
-        attn.paged_attention_unchecked(out=out, **layer, workspace=ws, **options)
+        attn.attention_unchecked(
+            layer["q"], layer["key_cache"], layer["value_cache"], out, step,
+            attention_options(layer, **options), ws,
+        )  # fmt: skip
         atol, rtol = TOL[q_dtype]
         assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what=f"layer {i}")
         assert torch.isnan(out[num_rows:]).all()
         assert cache.hits == i
     assert len(cache) == 1
     assert int(ws.counters.abs().sum()) == 0
+
+
+def test_a_new_step_over_the_same_tensors_is_not_a_replay(monkeypatch):
+    """A step's PagedBatch over the same metadata tensor objects as the last step's, its lengths
+    written without a version bump (as a kernel or a CUDA graph writes them): the call records
+    anew and writes its own balanced-split schedule. Replaying the last step's launches would
+    read the last step's schedule, in which a former padding row has no piece (left NaN)."""
+    cache = LaunchCache()
+    monkeypatch.setattr(attn.ops, "LAUNCHES", cache)
+    batch = make_batch([1, 1, 1], [1500, 40, 700], num_q_heads=8, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=43)  # fmt: skip
+    num_rows = batch.pop("num_rows")
+    ws = workspace(8, 128, max_splits=8, rows=16)
+    q, kc, vc = batch["q"], batch["key_cache"], batch["value_cache"]
+    options = attention_options(batch)
+    cu, lens = batch["cu_seqlens_q"], batch["seq_lens"]
+    full_cu, full_lens = cu.clone(), lens.clone()
+    with torch.no_grad():  # .data writes: no version bump
+        cu.data.copy_(torch.tensor([0, 1, 1, 2], dtype=torch.int32))
+        lens.data.copy_(torch.tensor([1500, 0, 700], dtype=torch.int32))
+    versions = (cu._version, lens._version)
+    attn.attention_unchecked(q, kc, vc, nan_out(q), paged_batch(batch), options, ws)
+    cu.data.copy_(full_cu)
+    lens.data.copy_(full_lens)
+    assert (cu._version, lens._version) == versions
+    out = nan_out(q)
+    attn.attention_unchecked(q, kc, vc, out, paged_batch(batch), options, ws)
+    assert cache.hits == 0
+    expected = attn.paged_attention_reference(out=nan_out(q), **batch)
+    atol, rtol = TOL[q.dtype]
+    assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="step 2")
 
 
 def test_attention_options_or_metadata_change_means_a_new_recording(monkeypatch):
