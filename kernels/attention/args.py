@@ -31,9 +31,10 @@ class PagedBatch:
     max_query_len: host int >= every query length (picks the decode-only path when small)
     min_query_len: host int, the shortest query among sequences with any, if known (0 = unknown)
     max_seq_len:  host int, accepted for vLLM parity (unused: replays change sequence lengths)
-    schedules:    the balanced split's schedules of this batch (`balance.balanced_schedule`),
-                  written by its first call that needs one and read by its later calls: build
-                  a PagedBatch per step, as vLLM builds its metadata
+    schedules:    where the balanced split's schedules of this batch are (workspace slots,
+                  `balance.balanced_schedule`), written by its first call that needs one and
+                  read by its later calls: build a PagedBatch per step, as vLLM builds its
+                  metadata
     """
 
     cu_seqlens_q: torch.Tensor
@@ -42,7 +43,7 @@ class PagedBatch:
     max_query_len: int
     min_query_len: int = 0
     max_seq_len: int = 0
-    schedules: dict[tuple, torch.Tensor] = field(
+    schedules: dict[tuple, tuple[torch.Tensor, int]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
 

@@ -3,10 +3,11 @@
 A split decode launch of `num_seqs + budget` programs per kv head (`DecodeConfig.split_budget`)
 cuts the batch's KV tiles into pieces of at most cdiv(total, budget) tiles, each sequence into
 equal pieces, numbered sequence by sequence. `_schedule_kernel` writes each program's (sequence,
-piece, pieces) from the batch's lengths on the device, once per step and launch shape
-(`balanced_schedule`: the step's first layer launches it, its other layers read the same
-table), so a CUDA graph that captured it replays it for any lengths. `balanced_pieces` is the
-same count on the host, for tests and the workspace bound (`workspace.workspace_budget`).
+piece, pieces) from the batch's lengths on the device into a slot of the workspace, once per
+step and launch shape (`balanced_schedule`: the step's first layer launches it, its other
+layers read the same slot), so a CUDA graph that captured it replays it for any lengths.
+`balanced_pieces` is the same count on the host, for tests and the workspace bound
+(`workspace.workspace_budget`).
 Measurements and the rule: docs/tuning/attention.md, "Balanced split".
 """
 
@@ -19,9 +20,11 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, keep_with_recording, launch, unrecorded
+from .workspace import SCHEDULE_ENTRY, SCHEDULE_SLOTS
 
 if TYPE_CHECKING:
     from .args import PagedBatch
+    from .workspace import AttentionWorkspace
 
 # Sequences read per block by the schedule kernel (vLLM's default max_num_seqs in one).
 BALANCE_SCAN = tl.constexpr(256)
@@ -30,7 +33,7 @@ SCHEDULE_ITEMS = 32
 # Larger than any piece index: the "no sequence above" value of the schedule's search.
 NO_PIECE = tl.constexpr(1 << 30)
 # int32 per schedule entry: (sequence, piece, pieces, unused), one 16-byte line.
-ENTRY = tl.constexpr(4)
+ENTRY = tl.constexpr(SCHEDULE_ENTRY)
 
 
 @triton.jit
@@ -109,21 +112,31 @@ def _schedule_kernel(
 
 
 def balanced_schedule(
-    batch: PagedBatch, budget: int, tile_n: int, max_q: int, window: int
+    batch: PagedBatch,
+    workspace: AttentionWorkspace,
+    budget: int,
+    tile_n: int,
+    max_q: int,
+    window: int,
 ) -> torch.Tensor:
-    """The [num_seqs + budget, ENTRY] int32 schedule of a balanced decode launch of `batch`.
+    """The [num_seqs + budget, ENTRY] int32 schedule of a balanced decode launch of `batch`: a
+    view of one of the workspace's `SCHEDULE_SLOTS` slots (nothing allocated).
 
-    Launched once per batch and launch shape: the step's later layers (same batch, same tile,
-    budget and window) read the table the first one wrote. It is kept on the batch under its
-    shape, the versions of the batch's length tensors (an in-place update computes it again)
-    and whether a CUDA graph is being captured: a table written inside a capture is the
-    graph's (the graph's replays write it), one written outside is not, so neither is read
-    by the other. An eager call drops those written in a capture, so a batch captured again
-    after an eager warm-up (as benchmarks time graphs) launches its own into the new graph.
+    Written once per batch and launch shape: the step's later layers (same batch, same tile,
+    budget and window) read the slot the first one wrote. The batch remembers the slot under
+    its shape, the versions of its length tensors (an in-place update writes it again) and
+    whether a CUDA graph is being captured (a slot written inside a capture is the graph's: its
+    replays write it; one written outside is not, so neither is read by the other; an eager
+    call forgets those written in a capture, so a batch captured again after an eager warm-up,
+    as benchmarks time graphs, launches its own into the new graph). The workspace remembers
+    which batch wrote each slot last: a slot another batch has taken since is written again,
+    into the next slot. vLLM builds one `PagedBatch` per step and reads it only within it, far
+    fewer than SCHEDULE_SLOTS steps.
 
     The launch is left out of any launch recording (`_launch.unrecorded`): a replay for a later
-    layer reads the table and must not write it again; the recording keeps the table itself
-    (`_launch.keep_with_recording`).
+    layer reads the slot and must not write it again; the recording keeps the view
+    (`_launch.keep_with_recording`), and the unchecked entry point replays only while
+    `schedules_hold`.
     """
     cu_q, seq_lens = batch.cu_seqlens_q, batch.seq_lens
     capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -131,12 +144,26 @@ def balanced_schedule(
     if not capturing and schedules:
         for key in [k for k in schedules if k[-1]]:
             del schedules[key]
-    key = (budget, tile_n, max_q, window, seq_lens._version, cu_q._version, capturing)
-    table = schedules.get(key)
-    if table is None:
+    key = (id(workspace), budget, tile_n, max_q, window, seq_lens._version, cu_q._version,
+           capturing)  # fmt: skip
+    owners = workspace.schedule_owners
+    held = schedules.get(key)
+    if held is not None and owners[held[1]] is held:
+        table = held[0]
+    else:
         num_seqs = seq_lens.shape[0]
         items = num_seqs + budget
-        table = torch.empty(items, ENTRY.value, dtype=torch.int32, device=seq_lens.device)
+        if items > workspace.schedule.shape[1]:
+            raise ValueError(
+                f"split_budget: {budget} pieces for {num_seqs} sequences need {items} schedule "
+                f"entries; the workspace holds at most {workspace.schedule.shape[1]} "
+                f"(max_num_tokens x max_splits)"
+            )
+        slot = owners[SCHEDULE_SLOTS]
+        owners[SCHEDULE_SLOTS] = (slot + 1) % SCHEDULE_SLOTS
+        table = workspace.schedule[slot, :items]
+        held = schedules[key] = (table, slot)
+        owners[slot] = held
         with unrecorded():
             launch(
                 _schedule_kernel,
@@ -154,9 +181,22 @@ def balanced_schedule(
                 SCAN=BALANCE_SCAN.value,
                 num_warps=4,
             )
-        schedules[key] = table
     keep_with_recording(table)
     return table
+
+
+def schedules_hold(batch: PagedBatch, workspace: AttentionWorkspace | None) -> bool:
+    """Whether every schedule `batch` wrote into `workspace` for its lengths as they are is
+    still in its slot (a replay of its launches may read them)."""
+    if not batch.schedules or workspace is None:
+        return True
+    owners = workspace.schedule_owners
+    versions = (batch.seq_lens._version, batch.cu_seqlens_q._version)
+    return all(
+        owners[held[1]] is held
+        for key, held in batch.schedules.items()
+        if key[0] == id(workspace) and key[5:7] == versions
+    )
 
 
 def balanced_pieces(tiles: list[int], budget: int) -> list[int]:

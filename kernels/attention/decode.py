@@ -698,7 +698,7 @@ def launch_decode(
     if balanced:
         items = num_seqs + budget
         grid = (num_kv_heads, items) if head_fast else (items, num_kv_heads)
-        schedule = balanced_schedule(batch, budget, tile_n, max_q, options.window)
+        schedule = balanced_schedule(batch, workspace, budget, tile_n, max_q, options.window)
     elif head_fast:
         grid = (num_kv_heads, num_seqs, num_splits)
     else:

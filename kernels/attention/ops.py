@@ -12,6 +12,7 @@ import torch
 from .. import index_checks
 from .._launch import LaunchCache, use_custom_op
 from .args import AttentionOptions, PagedBatch, flat_arguments
+from .balance import schedules_hold
 from .checks import _check_args
 from .plan import AttentionWorkspace
 from .run import _run
@@ -19,7 +20,7 @@ from .run import _run
 
 @torch.library.custom_op(
     "fuselane::paged_attention",
-    mutates_args=("out", "ws_partial_out", "ws_partial_ml", "ws_counters"),
+    mutates_args=("out", "ws_partial_out", "ws_partial_ml", "ws_counters", "ws_schedule"),
 )
 def _paged_attention_op(
     q: torch.Tensor,
@@ -39,18 +40,21 @@ def _paged_attention_op(
     ws_partial_out: torch.Tensor | None,
     ws_partial_ml: torch.Tensor | None,
     ws_counters: torch.Tensor | None,
+    ws_schedule: torch.Tensor | None,
     ws_max_num_tokens: int,
     ws_max_splits: int,
     min_query_len: int = 0,
 ) -> None:
     """torch.library form of `attention`: the bundles flattened (`_op_arguments`), the window
-    as an int (0 = off), the workspace as its three buffers."""
+    as an int (0 = off), the workspace as its four buffers."""
     workspace = None
-    if ws_partial_out is not None and ws_partial_ml is not None and ws_counters is not None:
+    buffers = (ws_partial_out, ws_partial_ml, ws_counters, ws_schedule)
+    if all(b is not None for b in buffers):
         workspace = AttentionWorkspace(
             partial_out=ws_partial_out,
             partial_ml=ws_partial_ml,
             counters=ws_counters,
+            schedule=ws_schedule,
             max_num_tokens=ws_max_num_tokens,
             num_q_heads=q.shape[1],
             head_size=q.shape[2],
@@ -76,7 +80,8 @@ def _op_arguments(
         float(options.scale), options.window, float(options.softcap),
         options.sinks, options.k_scale, options.v_scale,
         None if ws is None else ws.partial_out, None if ws is None else ws.partial_ml,
-        None if ws is None else ws.counters, 0 if ws is None else ws.max_num_tokens,
+        None if ws is None else ws.counters, None if ws is None else ws.schedule,
+        0 if ws is None else ws.max_num_tokens,
         0 if ws is None else ws.max_splits, batch.min_query_len,
     )  # fmt: skip
 
@@ -173,7 +178,9 @@ def attention_unchecked(
             o.softcap, o.sinks is None, o.k_scale is None, o.v_scale is None,
         )  # fmt: skip
         slots = (q, key_cache, value_cache, out, o.sinks, o.k_scale, o.v_scale)
-        if LAUNCHES.replay(key, slots):
+        # A recording reads its batch's schedule in a workspace slot that another batch's may
+        # have taken since (`balance.schedules_hold`): then the call runs and records anew.
+        if schedules_hold(b, workspace) and LAUNCHES.replay(key, slots):
             return out
         fixed = (b, b.cu_seqlens_q, b.seq_lens, b.block_table)
         if workspace is not None:

@@ -3,7 +3,7 @@ outputs into, allocated once per engine, and what the launch rule needs to know 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +12,11 @@ from .._launch import next_pow2
 
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 DEFAULT_MAX_SPLITS = 64
+# Balanced-split schedules a workspace holds at once (`balance.balanced_schedule`): a step
+# writes one per launch shape, and a batch is read only within its step, so a few suffice.
+SCHEDULE_SLOTS = 4
+# int32 per schedule entry: (sequence, piece, pieces, unused), one 16-byte line.
+SCHEDULE_ENTRY = 4
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,10 @@ class AttentionWorkspace:
     partial_ml:  [max_num_tokens * num_q_heads * max_splits * 2] fp32 (running max, sum)
     counters:    [max_num_tokens * num_q_heads] int32, zero between launches: the fused merge
                  counts the finished splits of each (sequence, kv head) and resets its count
+    schedule:    [SCHEDULE_SLOTS, max_items, SCHEDULE_ENTRY] int32: balanced-split schedules
+                 (max_items: the most programs per kv head a balanced launch fits, the partial
+                 columns of one query position); `schedule_owners` says which batch and launch
+                 shape wrote each slot last (host state, see `balance.balanced_schedule`)
 
     A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
     positions, 1 for plain decode); when that does not fit, the call runs with fewer splits. The
@@ -31,10 +40,16 @@ class AttentionWorkspace:
     partial_out: torch.Tensor
     partial_ml: torch.Tensor
     counters: torch.Tensor
+    schedule: torch.Tensor
     max_num_tokens: int
     num_q_heads: int
     head_size: int
     max_splits: int
+    # Which batch's schedule each slot holds ([slot] -> an owner token) and the next slot to
+    # write ([SCHEDULE_SLOTS]): host bookkeeping, mutated in place.
+    schedule_owners: list = field(
+        default_factory=lambda: [None] * SCHEDULE_SLOTS + [0], compare=False, repr=False
+    )
 
     @classmethod
     def allocate(
@@ -51,7 +66,8 @@ class AttentionWorkspace:
         the largest decode batch that still leaves the GPU idle (4 * SMs / Hkv sequences) times
         1 + num_speculative_tokens. Memory: max_num_tokens * num_q_heads * max_splits *
         (next_pow2(head_size) + 2) * 4 bytes, plus max_num_tokens * num_q_heads * 4 bytes of
-        counters.
+        counters and SCHEDULE_SLOTS * max_num_tokens * max_splits * 16 bytes of balanced-split
+        schedules.
         """
         for name, value in (
             ("max_num_tokens", max_num_tokens),
@@ -63,10 +79,14 @@ class AttentionWorkspace:
         check_choice("head_size", head_size, SUPPORTED_HEAD_SIZES)
         rows = max_num_tokens * num_q_heads * max_splits
         head_pad = next_pow2(head_size)
+        max_items = max_num_tokens * max_splits  # partial columns at one query position
         return cls(
             partial_out=torch.empty(rows * head_pad, dtype=torch.float32, device=device),
             partial_ml=torch.empty(rows * 2, dtype=torch.float32, device=device),
             counters=torch.zeros(max_num_tokens * num_q_heads, dtype=torch.int32, device=device),
+            schedule=torch.empty(
+                SCHEDULE_SLOTS, max_items, SCHEDULE_ENTRY, dtype=torch.int32, device=device
+            ),
             max_num_tokens=max_num_tokens,
             num_q_heads=num_q_heads,
             head_size=head_size,

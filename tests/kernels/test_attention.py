@@ -714,7 +714,7 @@ def test_registered_as_custom_op_with_fake():
     """Mutated arguments are declared (torch.compile must not reorder around the writes) and
     the fake implementation runs on meta tensors without touching data."""
     schema = str(torch.ops.fuselane.paged_attention.default._schema)
-    for arg in ("out", "ws_partial_out", "ws_partial_ml", "ws_counters"):
+    for arg in ("out", "ws_partial_out", "ws_partial_ml", "ws_counters", "ws_schedule"):
         assert "!)" in schema.split(arg)[0].rsplit(",", 1)[-1], f"{arg} not declared mutated"
     batch = make_batch([1], [10], num_q_heads=2, num_kv_heads=1, head_size=64, block_size=16)
     with torch._subclasses.FakeTensorMode() as mode:
@@ -723,20 +723,26 @@ def test_registered_as_custom_op_with_fake():
         result = torch.ops.fuselane.paged_attention(
             fake["q"], fake["key_cache"], fake["value_cache"], torch.empty_like(fake["q"]),
             fake["cu_seqlens_q"], fake["seq_lens"], fake["block_table"], 1, 0.125, 0, 0.0,
-            None, None, None, None, None, None, 0, 0,
+            None, None, None, None, None, None, None, 0, 0,
         )  # fmt: skip
     assert result is None
 
 
-def test_opcheck():
-    batch = make_batch([1, 20], [9, 20], num_q_heads=2, num_kv_heads=1, head_size=64, block_size=16)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens", [([1, 20], [9, 20]), ([1, 1, 1], [40, 7, 300])], ids=["mixed", "balanced"]
+)
+def test_opcheck(q_lens, seq_lens):
+    batch = make_batch(q_lens, seq_lens, num_q_heads=2, num_kv_heads=1, head_size=64,
+                       block_size=16)  # fmt: skip
     batch.pop("num_rows")
     ws = workspace(2, 64, max_splits=2, rows=4)
+    if len(q_lens) == 3:  # the balanced split's schedule goes through the op's workspace
+        assert plan_for(batch, ws).decode.split_budget > 0
     args = (
         batch["q"], batch["key_cache"], batch["value_cache"], nan_out(batch["q"]),
         batch["cu_seqlens_q"], batch["seq_lens"], batch["block_table"], batch["max_query_len"],
         batch["scale"], 0, 0.0, None, None, None, ws.partial_out, ws.partial_ml, ws.counters,
-        ws.max_num_tokens, ws.max_splits,
+        ws.schedule, ws.max_num_tokens, ws.max_splits,
     )  # fmt: skip
     torch.library.opcheck(
         torch.ops.fuselane.paged_attention.default,

@@ -214,7 +214,8 @@ def test_schedule_kernel_matches_the_host_mirror(seq_lens, q_lens, tile_n, windo
         torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=device),
         max(q_lens),
     )
-    table = attn.balance.balanced_schedule(batch, budget, tile_n, max_q, window).cpu()
+    ws = workspace(2, 64, max_splits=4, rows=len(seq_lens) + budget)
+    table = attn.balance.balanced_schedule(batch, ws, budget, tile_n, max_q, window).cpu()
     items = len(seq_lens) + budget
     assert tuple(table.shape) == (items, attn.balance.ENTRY.value)
     pieces = attn.balanced_pieces(_tiles(q_lens, seq_lens, tile_n, window or None, max_q), budget)
@@ -227,20 +228,68 @@ def test_schedule_kernel_matches_the_host_mirror(seq_lens, q_lens, tile_n, windo
 
 
 def test_schedule_is_written_once_per_batch_and_again_after_an_in_place_update():
-    device = DEVICE
-    batch = attn.PagedBatch(
-        torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
-        torch.tensor([3000, 5], dtype=torch.int32, device=device),
-        torch.zeros(2, 1, dtype=torch.int32, device=device),
-        1,
-    )
-    first = attn.balance.balanced_schedule(batch, 8, 16, 0, 0)
-    assert attn.balance.balanced_schedule(batch, 8, 16, 0, 0) is first
-    assert attn.balance.balanced_schedule(batch, 8, 32, 0, 0) is not first  # another tile
+    def batch_of(lens: list[int]) -> attn.PagedBatch:
+        n = len(lens)
+        return attn.PagedBatch(
+            torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            torch.zeros(n, 1, dtype=torch.int32, device=DEVICE),
+            1,
+        )
+
+    ws = workspace(2, 64, max_splits=4, rows=8)
+    schedule = attn.balance.balanced_schedule
+    batch = batch_of([3000, 5])
+    first = schedule(batch, ws, 8, 16, 0, 0)
+    assert first.data_ptr() == ws.schedule.data_ptr()  # a view of the workspace's first slot
+    assert schedule(batch, ws, 8, 16, 0, 0) is first
+    assert schedule(batch, ws, 8, 32, 0, 0) is not first  # another tile: another slot
     batch.seq_lens[1] = 4000  # an in-place update: the lengths' version changes
-    again = attn.balance.balanced_schedule(batch, 8, 16, 0, 0)
+    again = schedule(batch, ws, 8, 16, 0, 0)
     assert again is not first
-    assert again[:, 0].tolist() != first[:, 0].tolist()
+    # rewritten for the new lengths: 188 + 250 tiles in pieces of <= 55 (was 188 + 1 in <= 24)
+    assert attn.balanced_pieces([188, 250], 8) == [4, 5]
+    assert first[:9, 0].tolist() == [0] * 8 + [1]
+    assert again[:9, 0].tolist() == [0] * 4 + [1] * 5
+    written = again.tolist()
+    # Other batches take every slot in turn: the first batch's schedule is written again (into
+    # the next free slot), not read from a slot another batch wrote.
+    for i in range(attn.workspace.SCHEDULE_SLOTS):
+        schedule(batch_of([100 * (i + 1), 7]), ws, 8, 16, 0, 0)
+    assert not attn.balance.schedules_hold(batch, ws)
+    fresh = schedule(batch, ws, 8, 16, 0, 0)
+    assert fresh is not again and attn.balance.schedules_hold(batch, ws)
+    assert fresh.tolist() == written
+    with pytest.raises(ValueError, match=r"split_budget: 40 pieces for 2 sequences need 42"):
+        schedule(batch_of([10, 10]), ws, 40, 16, 0, 0)
+
+
+def test_a_replay_does_not_read_a_slot_another_batch_took():
+    """The unchecked entry point replays a step's first layer's launches for its later layers
+    only while the step's schedule still holds its workspace slot: here other batches took
+    every slot between two layers, and the second layer runs anew."""
+    batch = make_batch([1, 1, 1], [1500, 40, 700], num_q_heads=8, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=33)  # fmt: skip
+    others = make_batch([1, 1], [900, 30], num_q_heads=8, num_kv_heads=2, head_size=128,
+                        block_size=16, seed=34)  # fmt: skip
+    ws = workspace(8, 128, max_splits=8, rows=16)
+    assert plan_for(batch, ws).decode.split_budget > 0
+    options = attention_options(batch)
+    q, kc, vc = batch["q"], batch["key_cache"], batch["value_cache"]
+    step = paged_batch(batch)
+    attn.attention_unchecked(q, kc, vc, nan_out(q), step, options, ws)
+    for _ in range(attn.workspace.SCHEDULE_SLOTS):
+        o = others
+        attn.attention_unchecked(o["q"], o["key_cache"], o["value_cache"], nan_out(o["q"]),
+                                 paged_batch(o), attention_options(o), ws)  # fmt: skip
+    hits = attn.ops.LAUNCHES.hits
+    out = nan_out(q)
+    attn.attention_unchecked(q, kc, vc, out, step, options, ws)
+    assert attn.ops.LAUNCHES.hits == hits
+    expected = nan_out(q)
+    paged_attention_reference(out=expected, **{k: v for k, v in batch.items() if k != "num_rows"})
+    atol, rtol = TOL[q.dtype]
+    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
 
 
 def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a_new_one():

@@ -21,7 +21,7 @@ from fuselane.kernels import attention as attn
 from fuselane.kernels import kv_cache as kvc
 from fuselane.kernels import sampling as smp
 from tests.device import DEVICE
-from tests.kernels.test_attention import make_batch, nan_out, paged_batch, workspace
+from tests.kernels.test_attention import make_batch, nan_out, paged_batch, plan_for, workspace
 from tests.kernels.test_kv_cache import cache_views, make_cache, make_inputs, make_slots
 
 
@@ -65,11 +65,11 @@ def _assert_allocates_nothing(call: Callable[[], object], monkeypatch) -> None:
 
 def _launch_users():
     """The modules that bound `launch` at import (their launchers call it by that name)."""
-    from fuselane.kernels.attention import decode, prefill
+    from fuselane.kernels.attention import balance, decode, prefill
     from fuselane.kernels.kv_cache import launch as kv_launch
     from fuselane.kernels.sampling import ops as sampling_ops
 
-    return (decode, prefill, kv_launch, sampling_ops)
+    return (balance, decode, prefill, kv_launch, sampling_ops)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +90,26 @@ def test_attention_allocates_nothing(monkeypatch, q_lens, seq_lens, checked):
 
     def call():
         entry(batch["q"], batch["key_cache"], batch["value_cache"], out, pb, options, ws)
+
+    _assert_allocates_nothing(call, monkeypatch)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_a_new_steps_balanced_schedule_allocates_nothing(monkeypatch, checked):
+    """Each call a new step (a new PagedBatch), so each writes its balanced split's schedule:
+    into a slot of the workspace, not a new tensor."""
+    batch = make_batch([1, 1, 1], [40, 7, 300], num_q_heads=8, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=3)  # fmt: skip
+    ws = workspace(8, 64)
+    assert plan_for(batch, ws).decode.split_budget > 0, "the rule should balance this batch"
+    out = nan_out(batch["q"])
+    options = attn.AttentionOptions(batch["scale"])
+    entry = attn.attention if checked else attn.attention_unchecked
+    attn.LAUNCHES.clear()
+
+    def call():
+        entry(batch["q"], batch["key_cache"], batch["value_cache"], out, paged_batch(batch),
+              options, ws)  # fmt: skip
 
     _assert_allocates_nothing(call, monkeypatch)
 
