@@ -51,6 +51,17 @@ class PagedBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
+    def lengths_version(self) -> tuple[int, int]:
+        """The version counters of seq_lens and cu_seqlens_q (an in-place torch update bumps
+        them), -1 for an inference tensor, which has none: vLLM runs its steps under
+        `torch.inference_mode`, and tensors it creates there are such; a step there is a new
+        PagedBatch anyway."""
+        return (_version(self.seq_lens), _version(self.cu_seqlens_q))
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
 
 @dataclass(frozen=True)
 class AttentionOptions:

@@ -144,8 +144,7 @@ def balanced_schedule(
     if not capturing and schedules:
         for key in [k for k in schedules if k[-1]]:
             del schedules[key]
-    key = (id(workspace), budget, tile_n, max_q, window, seq_lens._version, cu_q._version,
-           capturing)  # fmt: skip
+    key = (id(workspace), budget, tile_n, max_q, window, batch.lengths_version(), capturing)
     owners = workspace.schedule_owners
     held = schedules.get(key)
     if held is not None and owners[held[1]] is held:
@@ -191,11 +190,11 @@ def schedules_hold(batch: PagedBatch, workspace: AttentionWorkspace | None) -> b
     if not batch.schedules or workspace is None:
         return True
     owners = workspace.schedule_owners
-    versions = (batch.seq_lens._version, batch.cu_seqlens_q._version)
+    versions = batch.lengths_version()
     return all(
         owners[held[1]] is held
         for key, held in batch.schedules.items()
-        if key[0] == id(workspace) and key[5:7] == versions
+        if key[0] == id(workspace) and key[5] == versions
     )
 
 

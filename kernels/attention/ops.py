@@ -170,7 +170,7 @@ def attention_unchecked(
         # without a version bump (by a kernel or a graph), and lengths updated in place record
         # anew. (Callers of the flat form build a PagedBatch per call: they record every call.)
         key = (
-            id(b), b.seq_lens._version, b.cu_seqlens_q._version,
+            id(b), b.lengths_version(),
             id(b.cu_seqlens_q), id(b.seq_lens), id(b.block_table), id(workspace), q.shape,
             q.stride(), q.dtype, out.shape, out.stride(), out.dtype, key_cache.shape,
             key_cache.stride(), value_cache.shape, value_cache.stride(), key_cache.dtype,

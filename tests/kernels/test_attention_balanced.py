@@ -326,3 +326,26 @@ def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a
     attn.attention_unchecked(q, kc, vc, out, paged, options, ws)
     paged_attention_reference(out=expected, **ref)
     assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
+
+
+def test_inference_tensors_as_vllm_makes_them():
+    """vLLM runs its steps under torch.inference_mode, where tensors it creates have no version
+    counter: a step's first layer writes the schedule and a later one replays, as elsewhere."""
+    batch = make_batch([1, 1, 1], [1500, 40, 700], num_q_heads=8, num_kv_heads=2,
+                       head_size=128, block_size=16, seed=35)  # fmt: skip
+    ws = workspace(8, 128, max_splits=8, rows=16)
+    q, kc, vc = batch["q"], batch["key_cache"], batch["value_cache"]
+    options = attention_options(batch)
+    with torch.inference_mode():
+        step = attn.PagedBatch(batch["cu_seqlens_q"].clone(), batch["seq_lens"].clone(),
+                               batch["block_table"], 1)  # fmt: skip
+        assert step.seq_lens.is_inference() and step.lengths_version() == (-1, -1)
+        hits = attn.ops.LAUNCHES.hits
+        for _ in range(2):
+            out = nan_out(q)
+            attn.attention_unchecked(q, kc, vc, out, step, options, ws)
+        assert attn.ops.LAUNCHES.hits == hits + 1
+    expected = nan_out(q)
+    paged_attention_reference(out=expected, **{k: v for k, v in batch.items() if k != "num_rows"})
+    atol, rtol = TOL[q.dtype]
+    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
