@@ -156,9 +156,9 @@ def _attend_tiles(
     # iteration wherever the compiler could not prove the first tile >= 0: ~180 more
     # instructions per tile in the split variant's unmasked loop on sm_90a.
     tl.static_assert(TILE_N % PAGE == 0)
+    page_in_tile = offs_t // PAGE
+    slot = offs_t % PAGE
     for j in range(t_lo, t_hi):
-        page_in_tile = offs_t // PAGE
-        slot = offs_t % PAGE
         offs_n = j * TILE_N + offs_t
         # Block-table entries of the tile (TILE_N // PAGE distinct pages), then row addresses.
         bt_tile = bt_row + j * (TILE_N // PAGE) + page_in_tile
@@ -456,6 +456,11 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(tile_hi - tile_lo, pieces)
     split_lo = tile_lo + split * tiles_per_split
     split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
+    # Whether this program's sequence is one piece (balanced: a short one, written directly)
+    # or several (partials and the merge); row vectors, as Triton 3.9's interpreter needs the
+    # masks built from them (see store_direct below).
+    one_piece = (offs_m * 0 + pieces) == 1
+    many_pieces = (offs_m * 0 + pieces) > 1
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -490,8 +495,7 @@ def _decode_kernel(
             hi = tl.where(c == 0, split_hi, tile_hi)
             hi = tl.where((c > 0) & (split > 0), lo, hi)
             # One piece (balanced: a short sequence) writes its output as it is, no merge.
-            # Compared as a row vector (Triton 3.9's interpreter, see store_direct below).
-            direct = (c > 0) | ((offs_m * 0 + pieces) == 1)
+            direct = (c > 0) | one_piece
 
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -527,7 +531,7 @@ def _decode_kernel(
         )
         if SPLIT:
             # Partial row of (sequence, position), only for chunk 0 (positions < QPOS).
-            store_part = row_ok & (c == 0) & ((offs_m * 0 + pieces) > 1)
+            store_part = row_ok & (c == 0) & many_pieces
             pidx = ((part_row0 + pos) * NUM_Q_HEADS + head) * part_cols + first + split
             tl.store(
                 part_o_ptr + pidx[:, None] * HEAD_PAD + offs_d[None, :],
