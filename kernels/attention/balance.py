@@ -13,14 +13,14 @@ Measurements and the rule: docs/tuning/attention.md, "Balanced split".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .._launch import cdiv, keep_with_recording, launch, unrecorded
-from .workspace import SCHEDULE_ENTRY, SCHEDULE_SLOTS
+from .workspace import SCHEDULE_ENTRY
 
 if TYPE_CHECKING:
     from .args import PagedBatch
@@ -111,6 +111,18 @@ def _schedule_kernel(
     tl.store(row + 3, tl.zeros_like(item), mask=ok)
 
 
+class _ScheduleKey(NamedTuple):
+    """What a batch's schedule is kept under (`PagedBatch.schedules`)."""
+
+    workspace: int  # id of the workspace whose slot holds it
+    budget: int
+    tile_n: int
+    max_q: int
+    window: int
+    versions: tuple[int, int]  # `PagedBatch.lengths_version()` when it was written
+    capturing: bool  # written inside a CUDA-graph capture
+
+
 def balanced_schedule(
     batch: PagedBatch,
     workspace: AttentionWorkspace,
@@ -142,12 +154,13 @@ def balanced_schedule(
     capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
     schedules = batch.schedules
     if not capturing and schedules:
-        for key in [k for k in schedules if k[-1]]:
+        for key in [k for k in schedules if k.capturing]:
             del schedules[key]
-    key = (id(workspace), budget, tile_n, max_q, window, batch.lengths_version(), capturing)
-    owners = workspace.schedule_owners
+    key = _ScheduleKey(id(workspace), budget, tile_n, max_q, window, batch.lengths_version(),
+                       capturing)  # fmt: skip
+    slots = workspace.schedule_slots
     held = schedules.get(key)
-    if held is not None and owners[held[1]] is held:
+    if held is not None and slots.owners[held[1]] is held:
         table = held[0]
     else:
         num_seqs = seq_lens.shape[0]
@@ -158,11 +171,9 @@ def balanced_schedule(
                 f"entries; the workspace holds at most {workspace.schedule.shape[1]} "
                 f"(max_num_tokens x max_splits)"
             )
-        slot = owners[SCHEDULE_SLOTS]
-        owners[SCHEDULE_SLOTS] = (slot + 1) % SCHEDULE_SLOTS
+        slot = slots.claim()
         table = workspace.schedule[slot, :items]
-        held = schedules[key] = (table, slot)
-        owners[slot] = held
+        held = slots.owners[slot] = schedules[key] = (table, slot)
         with unrecorded():
             launch(
                 _schedule_kernel,
@@ -189,12 +200,12 @@ def schedules_hold(batch: PagedBatch, workspace: AttentionWorkspace | None) -> b
     still in its slot (a replay of its launches may read them)."""
     if not batch.schedules or workspace is None:
         return True
-    owners = workspace.schedule_owners
+    owners = workspace.schedule_slots.owners
     versions = batch.lengths_version()
     return all(
         owners[held[1]] is held
         for key, held in batch.schedules.items()
-        if key[0] == id(workspace) and key[5] == versions
+        if key.workspace == id(workspace) and key.versions == versions
     )
 
 

@@ -520,10 +520,10 @@ def _balanced_budget(
     split, without a schedule) and larger unsplit batches."""
     if workspace is None or num_seqs < 2:
         return 0
-    room = workspace_budget(workspace, qpos, num_q_heads, next_pow2(head_size), num_seqs,
-                            num_kv_heads)  # fmt: skip
     if splits < 2 and num_seqs > BALANCED_UNSPLIT_MAX_SEQS:
         return 0
+    room = workspace_budget(workspace, qpos, num_q_heads, next_pow2(head_size), num_seqs,
+                            num_kv_heads)  # fmt: skip
     pieces = splits if splits >= 2 else BALANCED_UNSPLIT_PIECES
     return min(num_seqs * pieces, room)
 

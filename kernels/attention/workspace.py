@@ -19,6 +19,22 @@ SCHEDULE_SLOTS = 4
 SCHEDULE_ENTRY = 4
 
 
+@dataclass
+class ScheduleSlots:
+    """Host bookkeeping of a workspace's schedule slots: which batch's schedule each holds
+    (`owners[slot]`, the holder's token, see `balance.balanced_schedule`) and the slot the next
+    schedule goes to (`next`, round robin)."""
+
+    owners: list = field(default_factory=lambda: [None] * SCHEDULE_SLOTS)
+    next: int = 0
+
+    def claim(self) -> int:
+        """The slot for a new schedule (its caller records the holder in `owners`)."""
+        slot = self.next
+        self.next = (slot + 1) % SCHEDULE_SLOTS
+        return slot
+
+
 @dataclass(frozen=True)
 class AttentionWorkspace:
     """Split-KV scratch, allocated once per engine and reused by every layer and step.
@@ -29,7 +45,7 @@ class AttentionWorkspace:
                  counts the finished splits of each (sequence, kv head) and resets its count
     schedule:    [SCHEDULE_SLOTS, max_items, SCHEDULE_ENTRY] int32: balanced-split schedules
                  (max_items: the most programs per kv head a balanced launch fits, the partial
-                 columns of one query position); `schedule_owners` says which batch and launch
+                 columns of one query position); `schedule_slots` says which batch and launch
                  shape wrote each slot last (host state, see `balance.balanced_schedule`)
 
     A call uses `num_seqs * qpos * Hq * num_splits` partial rows (qpos: the decode tile's query
@@ -45,11 +61,7 @@ class AttentionWorkspace:
     num_q_heads: int
     head_size: int
     max_splits: int
-    # Which batch's schedule each slot holds ([slot] -> an owner token) and the next slot to
-    # write ([SCHEDULE_SLOTS]): host bookkeeping, mutated in place.
-    schedule_owners: list = field(
-        default_factory=lambda: [None] * SCHEDULE_SLOTS + [0], compare=False, repr=False
-    )
+    schedule_slots: ScheduleSlots = field(default_factory=ScheduleSlots, compare=False, repr=False)
 
     @classmethod
     def allocate(
