@@ -155,8 +155,6 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
     num_rows = batch.pop("num_rows")
     q = batch["q"]
     out = nan_out(q)
-    expected = nan_out(q)
-    paged_attention_reference(out=expected, **batch, **options)
     if plan is None:
         result = paged_attention(out=out, **batch, workspace=workspace, **options)
         assert result is out
@@ -165,12 +163,23 @@ def run_case(batch: dict, *, workspace=None, plan=None, **options) -> torch.Tens
             q, batch["key_cache"], batch["value_cache"], out, paged_batch(batch),
             attention_options(batch, **options), workspace, plan=plan,
         )  # fmt: skip
-    atol, rtol = TOL[q.dtype]
-    assert_close(out[:num_rows], expected[:num_rows], atol=atol, rtol=rtol, what="attention")
+    assert_matches_reference(batch, out, num_rows, **options)
     assert torch.isnan(out[num_rows:]).all(), "rows past cu_seqlens_q[-1] were written"
     if workspace is not None:
         assert int(workspace.counters.abs().sum()) == 0, "split counters not reset"
     return out
+
+
+def assert_matches_reference(batch: dict, out: torch.Tensor, rows: int | None = None,
+                             **options) -> None:  # fmt: skip
+    """`out`'s first `rows` rows (default: the batch's `num_rows`) against the reference on
+    `batch` (a `make_batch` dict, its metadata as it is now), at the q dtype's tolerance."""
+    args = {k: v for k, v in batch.items() if k != "num_rows"}
+    rows = batch["num_rows"] if rows is None else rows
+    expected = nan_out(args["q"])
+    paged_attention_reference(out=expected, **args, **options)
+    atol, rtol = TOL[args["q"].dtype]
+    assert_close(out[:rows], expected[:rows], atol=atol, rtol=rtol, what="attention")
 
 
 def attention_options(batch: dict, **options) -> attn.AttentionOptions:

@@ -19,11 +19,9 @@ import torch
 
 from fuselane.kernels import attention as attn
 from fuselane.kernels._checks import FP8_E4M3
-from fuselane.kernels.attention import paged_attention_reference
-from tests.allclose import assert_close
 from tests.device import DEVICE
 from tests.kernels.test_attention import (
-    TOL,
+    assert_matches_reference,
     attention_options,
     make_batch,
     nan_out,
@@ -286,10 +284,7 @@ def test_a_replay_does_not_read_a_slot_another_batch_took():
     out = nan_out(q)
     attn.attention_unchecked(q, kc, vc, out, step, options, ws)
     assert attn.ops.LAUNCHES.hits == hits
-    expected = nan_out(q)
-    paged_attention_reference(out=expected, **{k: v for k, v in batch.items() if k != "num_rows"})
-    atol, rtol = TOL[q.dtype]
-    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
+    assert_matches_reference(batch, out)
 
 
 def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a_new_one():
@@ -314,18 +309,13 @@ def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a
         out = nan_out(q)
         attn.attention_unchecked(q, kc, vc, out, paged, options, ws)
     assert attn.ops.LAUNCHES.hits == hits + 1
-    expected = nan_out(q)
-    ref = {k: v for k, v in batch.items() if k != "num_rows"}
-    paged_attention_reference(out=expected, **ref)
-    atol, rtol = TOL[q.dtype]
-    assert_close(out[:2], expected[:2], atol=atol, rtol=rtol, what="attention")
+    assert_matches_reference(batch, out, 2)
     # Step 2, same batch object and tensors: sequence 1 has its query and keys again.
     cu.copy_(full_cu)
     lens.copy_(full_lens)
     out = nan_out(q)
     attn.attention_unchecked(q, kc, vc, out, paged, options, ws)
-    paged_attention_reference(out=expected, **ref)
-    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
+    assert_matches_reference(batch, out)
 
 
 def test_inference_tensors_as_vllm_makes_them():
@@ -345,7 +335,4 @@ def test_inference_tensors_as_vllm_makes_them():
             out = nan_out(q)
             attn.attention_unchecked(q, kc, vc, out, step, options, ws)
         assert attn.ops.LAUNCHES.hits == hits + 1
-    expected = nan_out(q)
-    paged_attention_reference(out=expected, **{k: v for k, v in batch.items() if k != "num_rows"})
-    atol, rtol = TOL[q.dtype]
-    assert_close(out[:3], expected[:3], atol=atol, rtol=rtol, what="attention")
+    assert_matches_reference(batch, out)
