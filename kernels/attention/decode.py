@@ -153,8 +153,8 @@ def _attend_tiles(
     # A tile is whole pages: a token's page within the tile and its slot in the page depend on
     # its offset in the tile alone (an arange, known >= 0: shifts and masks). Derived from the
     # token index they cost signed divisions and 64-bit address arithmetic per element and
-    # iteration wherever the compiler could not prove the first tile >= 0: ~180 more
-    # instructions per tile in the split variant's unmasked loop on sm_90a.
+    # tile wherever the compiler cannot prove the first tile >= 0 (every split variant;
+    # docs/tuning/attention.md, "The schedule, once per step").
     tl.static_assert(TILE_N % PAGE == 0)
     page_in_tile = offs_t // PAGE
     slot = offs_t % PAGE

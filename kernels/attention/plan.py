@@ -61,15 +61,10 @@ PROGRAM_OVERHEAD = 0.02
 # one long sequence unsplit is the whole launch (Qwen2.5-7B B=48 chat-like contexts 231 us
 # against FlashInfer's 59; kernels-h200-2026-11-26-parts1-3.json).
 # Batches of two or more sequences are cut by length, not per sequence (_balanced_budget):
-# those the rule splits into as many pieces as their splits (ragged batches 1.3-4.4x faster,
-# decode-balanced-sweep-h200-2026-11-27.json; equal contexts within 1-4% of the plain split
-# now that the schedule is written once per step), those it does not split into at most one
-# piece per sequence more (BALANCED_UNSPLIT_PIECES): ragged batches 1.2-2.4x faster (Llama-3-8B
-# B=48 chat-like 248.8 -> 114.5 us), equal contexts 8-14% slower, the cost of the kernel's
-# split-capable variant (decode-schedule-sweep-h200-2026-11-27.json). Up to
-# BALANCED_UNSPLIT_MAX_SEQS sequences: at B=256 equal contexts were 1.17-1.58x slower (with the
-# schedule written per call, ~3-4 us of it; kernels-h200-2026-11-27-schedule-percall-decode.json)
-# and the grid has no ragged B=256 to weigh it against.
+# those the rule splits into as many pieces as their splits, those it does not split into at
+# most BALANCED_UNSPLIT_PIECES per sequence more, up to BALANCED_UNSPLIT_MAX_SEQS sequences.
+# Ragged batches gain far more than equal ones lose below that size, not above it
+# (docs/tuning/attention.md, "Balanced split" and "The schedule, once per step").
 BALANCED_UNSPLIT_PIECES = 1
 BALANCED_UNSPLIT_MAX_SEQS = 128
 # SM count assumed off-GPU (Triton interpreter): an H100 SXM / H200.
