@@ -236,10 +236,14 @@ PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgr
 # Head sizes the rule gives either Hopper kernel: measured at 128 only (64 passes the GPU
 # tests, not timed).
 WS_RULE_HEAD_SIZES = (128,)
-# Hopper, decode-only batches too small to fill the GPU (B <= 4 at Hkv=8 on 132 SMs): the
-# warp-specialized decode kernel, one program per SM, splits = SMs // (sequences x kv heads),
-# 128-token tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton
-# kernel's 45.5 (attention-h200-2026-11-26-ws-decode.json). Not beyond DECODE_WS_MAX_SPLITS
+# Hopper, a decode-only batch of one sequence (nothing to balance) too small to fill the GPU:
+# the warp-specialized decode kernel, one program per SM, splits = SMs // kv heads, 128-token
+# tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton kernel's
+# 45.5 (attention-h200-2026-11-26-ws-decode.json). Batches of two or more sequences take the
+# Triton kernel's balanced split instead: the decode kernel's equal splits leave SMs idle
+# behind the longest sequence of a ragged batch (Llama-3-70B at TP 8, B=16 chat-like contexts
+# 22.8 us against 13.4; Llama-3-8B B=4 21.2 against 16.2), and equal contexts run within 3% of
+# it (decode-ws-balanced-sweep-h200-2026-11-27.json). Not beyond DECODE_WS_MAX_SPLITS
 # splits (fewer than 8 pairs): its one merging program then reads too many partials in turn
 # (Llama-3-70B at TP 8, one kv head, B=1: 37.8 us at 64 splits, 32.0 at its best 24, against
 # the Triton kernel's 21.9 at 64; Qwen2.5-7B B=1: 39.3 against 31.4;
@@ -381,7 +385,8 @@ def plan_launch(
     per block of the device (`smem_per_block`). warp_specialized: the call's tensors and options
     can run Hopper's warp-specialized prefill kernel (`prefill_ws.supports`); long
     prefills then take it. decode_warp_specialized: likewise for the decode kernel
-    (`decode_ws.supports`; None: as `warp_specialized`); small decode-only batches take it.
+    (`decode_ws.supports`; None: as `warp_specialized`); a decode-only batch of one sequence
+    takes it.
     Memoized: every layer of a step asks the same question, and on the eager
     (piecewise-graph) path vLLM runs attention in, host time per layer is step time.
     """
@@ -534,9 +539,9 @@ def _decode_ws_config(
     kv_bytes: int,
     max_smem: int,
 ) -> DecodeConfig:
-    """`decode_ws_config` where the head size and cache are DECODE_WS_RULE's, else
-    `triton_config`."""
-    if (head_size, kv_bytes) not in DECODE_WS_RULE:
+    """`decode_ws_config` for a batch of one sequence whose head size and cache are
+    DECODE_WS_RULE's, else `triton_config`."""
+    if num_seqs != 1 or (head_size, kv_bytes) not in DECODE_WS_RULE:
         return triton_config
     ws = decode_ws_config(num_seqs, num_q_heads, num_kv_heads, head_size, sms, workspace,
                           kv_bytes, max_smem)  # fmt: skip

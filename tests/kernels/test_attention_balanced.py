@@ -54,6 +54,17 @@ def _written_columns(ws: attn.AttentionWorkspace, qpos: int, num_q_heads: int, i
     return int((~torch.isnan(m[0, 0])).sum())
 
 
+@pytest.fixture
+def triton_decode(monkeypatch):
+    """The Triton decode kernel for every plan of the test: on an sm_90 GPU the rule gives the
+    small decode batches of the replay tests to Hopper's warp-specialized kernel, which reads
+    no schedule."""
+    monkeypatch.setattr(attn.hopper, "_hopper_off", attn.hopper_kernels_off())  # undone after
+    attn.disable_hopper_kernels("the test checks the Triton decode kernel's schedule")
+    yield
+    attn.ops.LAUNCHES.clear()  # no Triton-only recording outlives the test
+
+
 # (q_lens, seq_lens, Hq, Hkv, D, block, budget, options)
 CASES = [
     # one long sequence among short ones: the long one in many pieces, the short ones whole
@@ -262,7 +273,7 @@ def test_schedule_is_written_once_per_batch_and_again_after_an_in_place_update()
         schedule(batch_of([10, 10]), ws, 40, 16, 0, 0)
 
 
-def test_a_replay_does_not_read_a_slot_another_batch_took():
+def test_a_replay_does_not_read_a_slot_another_batch_took(triton_decode):
     """The unchecked entry point replays a step's first layer's launches for its later layers
     only while the step's schedule still holds its workspace slot: here other batches took
     every slot between two layers, and the second layer runs anew."""
@@ -272,6 +283,7 @@ def test_a_replay_does_not_read_a_slot_another_batch_took():
                         block_size=16, seed=34)  # fmt: skip
     ws = workspace(8, 128, max_splits=8, rows=16)
     assert plan_for(batch, ws).decode.split_budget > 0
+    assert plan_for(others, ws).decode.split_budget > 0  # the others take schedule slots
     options = attention_options(batch)
     q, kc, vc = batch["q"], batch["key_cache"], batch["value_cache"]
     step = paged_batch(batch)
@@ -287,7 +299,7 @@ def test_a_replay_does_not_read_a_slot_another_batch_took():
     assert_matches_reference(batch, out)
 
 
-def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a_new_one():
+def test_replayed_layers_read_their_batch_schedule_and_an_updated_one_writes_anew(triton_decode):
     """vLLM's later layers replay the first one's recorded decode launch (`attention_unchecked`)
     without the schedule launch. A batch whose lengths change in place must not replay a
     schedule of the old lengths: there a sequence that was padding has no piece, its rows
@@ -318,7 +330,7 @@ def test_replayed_layers_read_their_batch_schedule_and_an_updated_batch_writes_a
     assert_matches_reference(batch, out)
 
 
-def test_inference_tensors_as_vllm_makes_them():
+def test_inference_tensors_as_vllm_makes_them(triton_decode):
     """vLLM runs its steps under torch.inference_mode, where tensors it creates have no version
     counter: a step's first layer writes the schedule and a later one replays, as elsewhere."""
     batch = make_batch([1, 1, 1], [1500, 40, 700], num_q_heads=8, num_kv_heads=2,

@@ -345,8 +345,9 @@ def test_ws_decode_plan_refused_for_a_mixed_batch():
         run_case(batch, workspace=ws, plan=plan)
 
 
-def test_rule_takes_the_ws_decode_kernel_for_small_decode_batches():
-    """Decode-only batches of at most SMs / (4 x Hkv) sequences, one program per SM."""
+def test_rule_takes_the_ws_decode_kernel_for_one_decode_sequence():
+    """A decode-only batch of one sequence, one program per SM; two or more sequences take the
+    Triton kernel's balanced split (its pieces follow the lengths)."""
     ws = attn.AttentionWorkspace.allocate(256, 32, 128, torch.device("cpu"), max_splits=64)
     kw = dict(num_q_heads=32, num_kv_heads=8, head_size=128, sms=132, workspace=ws)
     splits = {}
@@ -356,7 +357,17 @@ def test_rule_takes_the_ws_decode_kernel_for_small_decode_batches():
             assert (dec.tile_n, dec.num_stages) == attn.DECODE_WS_TILE
             assert dec.num_splits * b * 8 <= 132
             splits[b] = dec.num_splits
-    assert splits == {1: 16, 2: 8, 3: 5, 4: 4}
+    assert splits == {1: 16}
+    for b in (2, 4, 8):
+        dec = attn.plan_launch(num_seqs=b, max_query_len=1, warp_specialized=True, **kw).decode
+        assert dec.split_budget >= 32, (b, dec)  # one wave of 264 programs or more
+    # One kv head (Llama-3-70B at tensor parallel 8): splits of 132 // B would suit the decode
+    # kernel from B = 9 on; the balanced split takes those batches too.
+    one = dict(kw, num_q_heads=8, num_kv_heads=1)
+    for b in (9, 16, 33):
+        dec = attn.plan_launch(num_seqs=b, max_query_len=1, warp_specialized=True, **one).decode
+        assert not dec.warp_specialized and dec.split_budget >= 128, (b, dec)
+        assert attn.decode_ws_config(b, 8, 1, 128, 132, ws, 2) is not None  # it would suit
     # Not taken: spec-verify rows, no workspace, head sizes it was not timed at, no capability.
     for changes in (
         dict(max_query_len=2),
