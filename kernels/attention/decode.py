@@ -139,6 +139,7 @@ def _attend_tiles(
     USE_SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    OFFSETS_FROM_TILE: tl.constexpr,  # pages and slots from the offset in the tile (see below)
 ):
     """Online-softmax update of (acc, l_i, m_i) over the KV tiles [t_lo, t_hi).
 
@@ -151,17 +152,23 @@ def _attend_tiles(
     """
     c = qk_scale * LOG2E
     # A tile is whole pages: a token's page within the tile and its slot in the page depend on
-    # its offset in the tile alone (an arange, known >= 0: shifts and masks). Derived from the
-    # token index they cost signed divisions and 64-bit address arithmetic per element and
-    # tile wherever the compiler cannot prove the first tile >= 0 (every split variant;
-    # docs/tuning/attention.md, "The schedule, once per step").
+    # its offset in the tile alone (an arange, known >= 0: shifts and masks), computed once.
+    # Derived from the token index they cost signed divisions and 64-bit address arithmetic per
+    # element and tile wherever the compiler cannot prove the first tile >= 0 (every split
+    # variant of the decode kernel), but hold no registers across the loop, which the prefill
+    # kernel's 32-rows-per-warp tile needs (docs/tuning/attention.md, "The schedule, once per
+    # step" and "KV-loop offsets in the prefill kernel").
     tl.static_assert(TILE_N % PAGE == 0)
     page_in_tile = offs_t // PAGE
     slot = offs_t % PAGE
     for j in range(t_lo, t_hi):
         offs_n = j * TILE_N + offs_t
         # Block-table entries of the tile (TILE_N // PAGE distinct pages), then row addresses.
-        bt_tile = bt_row + j * (TILE_N // PAGE) + page_in_tile
+        if OFFSETS_FROM_TILE:
+            bt_tile = bt_row + j * (TILE_N // PAGE) + page_in_tile
+        else:
+            bt_tile = bt_row + offs_n // PAGE
+            slot = offs_n % PAGE
         if MASKED:
             n_ok = offs_n < seq_len  # slots past seq_len may hold garbage or NaN: never read
             phys = tl.load(bt_tile, mask=n_ok, other=0).to(tl.int64)
@@ -241,6 +248,7 @@ def _attend_range(
     USE_SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    OFFSETS_FROM_TILE: tl.constexpr,
 ):
     """`_attend_tiles` over the tiles [lo, hi) that queries a_lo..a_hi may see, in three phases.
 
@@ -264,19 +272,19 @@ def _attend_range(
             acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(t_lo, lo),
             tl.minimum(u_lo, hi), q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks,
             stride_vb, stride_vs, offs_d, d_ok, offs_t, PAGE, BLOCK_M, TILE_N, True, EVEN_D,
-            SLIDING_WINDOW, USE_SOFTCAP, KV_FP8, UPCAST_DOT,
+            SLIDING_WINDOW, USE_SOFTCAP, KV_FP8, UPCAST_DOT, OFFSETS_FROM_TILE,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(  # interior: no mask
         acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(u_lo, lo), tl.minimum(u_hi, hi),
         q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
         d_ok, offs_t, PAGE, BLOCK_M, TILE_N, False, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
-        UPCAST_DOT,
+        UPCAST_DOT, OFFSETS_FROM_TILE,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(  # the diagonal and the sequence's end
         acc, l_i, m_i, q, k_base, v_base, bt_row, tl.maximum(u_hi, lo), tl.minimum(t_hi, hi),
         q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
         d_ok, offs_t, PAGE, BLOCK_M, TILE_N, True, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8,
-        UPCAST_DOT,
+        UPCAST_DOT, OFFSETS_FROM_TILE,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -389,6 +397,7 @@ def _decode_kernel(
     USE_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    OFFSETS_FROM_TILE: tl.constexpr,  # see `_attend_tiles` and `offsets_from_tile`
 ):
     if BALANCED:
         item = tl.program_id(1) if HEAD_FAST else tl.program_id(0)
@@ -513,6 +522,7 @@ def _decode_kernel(
             acc, l_i, m_i, q, k_base, v_base, bt_row, lo, hi, a_lo, a_hi, q_abs, seq_len,
             qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, offs_t,
             PAGE, BLOCK_M, TILE_N, EVEN_D, SLIDING_WINDOW, USE_SOFTCAP, KV_FP8, UPCAST_DOT,
+            OFFSETS_FROM_TILE,
         )  # fmt: skip
 
         if KV_FP8:
@@ -655,6 +665,16 @@ def layout_strides(
     )  # fmt: skip
 
 
+def offsets_from_tile(split: bool, num_stages: int, head_pad: int) -> bool:
+    """Whether the decode kernel's KV loop takes pages and slots from the offset in the tile
+    (`_attend_tiles`): everywhere but the unsplit 3-stage kernel at head size 256, where the
+    compiler proves the first tile >= 0 (the token-index form costs no divisions there) and
+    the offsets held across the loop made ptxas spill (sm_90a: 225 registers and no spill
+    against 255 and 24 bytes; Gemma-2-9B 3.5-6.5% slower; docs/tuning/attention.md, "KV-loop
+    offsets in the prefill kernel")."""
+    return split or num_stages != 3 or head_pad <= 128
+
+
 def launch_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -750,6 +770,7 @@ def launch_decode(
         USE_SINKS=sinks is not None,
         KV_FP8=kv_fp8,
         UPCAST_DOT=upcast_dot,
+        OFFSETS_FROM_TILE=offsets_from_tile(split, config.num_stages, head_pad),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -77,6 +77,7 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     HEAD_FAST: tl.constexpr,  # grid (Hkv, q blocks) instead of (q blocks, Hkv)
     UPCAST_DOT: tl.constexpr,
+    OFFSETS_FROM_TILE: tl.constexpr,  # see `_attend_tiles` and `offsets_from_tile`
 ):
     if HEAD_FAST:
         kv_head = tl.program_id(0)
@@ -151,7 +152,7 @@ def _prefill_kernel(
         acc, l_i, m_i, q, k_base, v_base, bt_row, 0, tl.cdiv(seq_len, BLOCK_N), ctx + p0,
         ctx + p_last, q_abs, seq_len, qk_scale, softcap, stride_kb, stride_ks, stride_vb,
         stride_vs, offs_d, d_ok, offs_t, PAGE, BLOCK_M, BLOCK_N, EVEN_D, SLIDING_WINDOW,
-        USE_SOFTCAP, KV_FP8, UPCAST_DOT,
+        USE_SOFTCAP, KV_FP8, UPCAST_DOT, OFFSETS_FROM_TILE,
     )  # fmt: skip
 
     if KV_FP8:
@@ -174,6 +175,19 @@ def prefill_grid(
     head_fast = head_fast and num_q_blocks <= MAX_GRID_YZ
     grid = (num_kv_heads, num_q_blocks) if head_fast else (num_q_blocks, num_kv_heads)
     return grid, head_fast
+
+
+# Rows per warp above which the KV loop derives pages and slots from the token index
+# (`_attend_tiles`): the 128-row 4-warp tile, already short of registers, ran 4-12% slower with
+# offsets held across the loop (Llama-3-70B at TP 8, S = 1k-8k; Mistral-7B S = 1k-2k); the
+# 256-row 16-warp and the head-size-256 tiles ran 1-4% faster with them
+# (kv-loop-offsets-ab-h200-2026-11-27.json).
+OFFSETS_FROM_TILE_MAX_ROWS_PER_WARP = 16
+
+
+def offsets_from_tile(config: PrefillConfig) -> bool:
+    """Whether the prefill kernel of `config` takes the KV loop's page offsets from the tile."""
+    return config.block_m // config.num_warps <= OFFSETS_FROM_TILE_MAX_ROWS_PER_WARP
 
 
 def launch_prefill(
@@ -231,6 +245,7 @@ def launch_prefill(
         KV_FP8=kv_fp8,
         HEAD_FAST=head_fast,
         UPCAST_DOT=upcast_dot,
+        OFFSETS_FROM_TILE=offsets_from_tile(config),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

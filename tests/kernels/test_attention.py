@@ -680,12 +680,33 @@ def test_merge_and_grid_order_variants(fused, head_fast):
         run_case(batch, workspace=ws, plan=plan, sinks=sinks, sliding_window=200)
 
 
-def test_prefill_large_tile():
-    """The 256-row, 8-warp, 5-stage tile long prefills get (tiny batches here get 128 rows)."""
+@pytest.mark.parametrize("stages,from_tile", [(3, False), (5, True)])
+def test_unsplit_decode_at_head_size_256_in_both_kv_loop_forms(stages, from_tile):
+    """The unsplit decode kernel at head size 256 (Gemma-2): the 3-stage variant takes pages and
+    slots from the token index, the others from the offset in the tile
+    (`decode.offsets_from_tile`); both against the reference, across page boundaries."""
+    batch = make_batch([1, 1, 1], [1, 200, 1031], num_q_heads=4, num_kv_heads=2,
+                       head_size=256, block_size=16, seed=41)  # fmt: skip
+    ws = workspace(4, 256)
+    plan = plan_for(batch, ws, num_splits=1, split_budget=0, num_stages=stages,
+                    head_fast=stages == attn.DECODE_STAGES)  # fmt: skip
+    assert attn.decode.offsets_from_tile(False, stages, 256) is from_tile
+    run_case(batch, workspace=ws, plan=plan, softcap=30.0)
+
+
+@pytest.mark.parametrize(
+    "block_m,num_warps,from_tile", [(256, 16, True), (256, 8, False), (128, 4, False)]
+)
+def test_prefill_large_tile_and_both_kv_loop_forms(block_m, num_warps, from_tile):
+    """The 256-row tiles long prefills get (tiny batches here get 128 rows), and the KV loop's
+    two ways to a tile's pages and slots (`prefill.offsets_from_tile`: from the offset in the
+    tile, or from the token index for tiles of more than 16 rows per warp)."""
     batch = make_batch([300, 1, 77], [300, 500, 400], num_q_heads=8, num_kv_heads=2,
                        head_size=128, block_size=16, seed=13)  # fmt: skip
     ws = workspace(8, 128)
-    plan = plan_for(batch, ws, prefill_changes=dict(block_m=256, num_warps=8, num_stages=5))
+    changes = dict(block_m=block_m, num_warps=num_warps, num_stages=5)
+    plan = plan_for(batch, ws, prefill_changes=changes)
+    assert attn.prefill.offsets_from_tile(plan.prefill) is from_tile
     run_case(batch, workspace=ws, plan=plan, sliding_window=120)
 
 

@@ -54,7 +54,7 @@ def _fp8_decode_ptx() -> str:
         NUM_Q_HEADS=32, GROUP=4, QPOS=1, BLOCK_M=16, HEAD_SIZE=128, HEAD_PAD=128, PAGE=16,
         TILE_N=128, SPLIT=True, FUSED_REDUCE=True, MERGE_M=4, RED_SPLITS=16, HEAD_FAST=True,
         BALANCED=True, MAX_Q=0, SLIDING_WINDOW=0, USE_SOFTCAP=False, USE_SINKS=False, KV_FP8=True,
-        UPCAST_DOT=False,
+        UPCAST_DOT=False, OFFSETS_FROM_TILE=True,
     )  # fmt: skip
     kernel = _compile(decode._decode_kernel, ASTSource, constants, "fp8e4nv",
                       dict(num_warps=4, num_stages=3))  # fmt: skip
