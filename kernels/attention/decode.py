@@ -670,8 +670,8 @@ def offsets_from_tile(split: bool, num_stages: int, head_pad: int) -> bool:
     (`_attend_tiles`): everywhere but the unsplit 3-stage kernel at head size 256, where the
     compiler proves the first tile >= 0 (the token-index form costs no divisions there) and
     the offsets held across the loop made ptxas spill (sm_90a: 225 registers and no spill
-    against 255 and 24 bytes; Gemma-2-9B 3.5-6.5% slower; docs/tuning/attention.md, "KV-loop
-    offsets in the prefill kernel")."""
+    against 255 and 24 bytes; Gemma-2-9B 3.5-6.5% slower; docs/tuning/attention.md, "The
+    KV-loop offsets timed")."""
     return split or num_stages != 3 or head_pad <= 128
 
 

@@ -242,8 +242,9 @@ WS_RULE_HEAD_SIZES = (128,)
 # 45.5 (attention-h200-2026-11-26-ws-decode.json). Batches of two or more sequences take the
 # Triton kernel's balanced split instead: the decode kernel's equal splits leave SMs idle
 # behind the longest sequence of a ragged batch (Llama-3-70B at TP 8, B=16 chat-like contexts
-# 22.8 us against 13.4; Llama-3-8B B=4 21.2 against 16.2), and equal contexts run within 3% of
-# it (decode-ws-balanced-sweep-h200-2026-11-27.json). Not beyond DECODE_WS_MAX_SPLITS
+# 22.8 us against 13.4; Llama-3-8B B=4 21.2 against 16.2), where equal contexts pay 2.5-4.5%
+# (decode-ws-balanced-sweep-h200-2026-11-27.json; 4-8% in the grid, docs/tuning/attention.md,
+# "Hopper's decode kernel for one sequence only"). Not beyond DECODE_WS_MAX_SPLITS
 # splits (fewer than 8 pairs): its one merging program then reads too many partials in turn
 # (Llama-3-70B at TP 8, one kv head, B=1: 37.8 us at 64 splits, 32.0 at its best 24, against
 # the Triton kernel's 21.9 at 64; Qwen2.5-7B B=1: 39.3 against 31.4;
