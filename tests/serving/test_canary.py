@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 import httpx
 import ray
 
+from fuselane.benchmarks.soak.clients import sse_data
 from fuselane.serving.canary import control
 from fuselane.serving.canary.config import parse_config
 from fuselane.serving.canary.router import ARM_HEADER, FAILOVER_HEADER
@@ -233,12 +234,36 @@ def test_shadow_agreement_is_full_for_identical_greedy_arms(canary):
 
 
 def test_killing_a_custom_replica_mid_burst_loses_no_request(canary):
+    """A burst on the custom arm, its replica killed while it generates: every non-streaming
+    request is answered (by stock after a failover where custom died under it). The kill waits
+    for a streaming probe, sent after the burst, to have its first token: the custom engine is
+    generating then, with the burst's requests admitted before the probe. (A fixed delay raced
+    the burst: on a loaded machine its requests sometimes reached custom only after the new
+    replica was up, and nothing failed over.) The probe itself is cut: bytes had reached its
+    client, so it ends with an error event and no `[DONE]`, as the router documents."""
     _set(1.0)
-    long = {"max_tokens": 48, "ignore_eos": True}  # in flight long enough to be cut
+    port = canary["port"]
+    long = {"max_tokens": 128, "ignore_eos": True}  # still generating when the probe starts
 
-    async def run() -> list[tuple[int, str, str]]:
-        first = asyncio.create_task(_burst(canary["port"], 40, concurrency=40, **long))
-        await asyncio.sleep(0.3)
+    async def probe(generating: asyncio.Event) -> tuple[str | None, list[str]]:
+        body = {"model": "tiny", "prompt": "the probe", "max_tokens": 512, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=180, trust_env=False
+        ) as ac:
+            async with ac.stream("POST", "/v1/completions", json=body) as r:
+                events = []
+                async for event in sse_data(r):
+                    events.append(event)
+                    generating.set()
+                return r.headers.get(ARM_HEADER), events
+
+    async def run() -> tuple[list[tuple[int, str, str]], tuple[str | None, list[str]]]:
+        first = asyncio.create_task(_burst(port, 40, concurrency=40, **long))
+        await asyncio.sleep(0.2)  # the burst's requests ahead of the probe
+        generating = asyncio.Event()
+        probed = asyncio.create_task(probe(generating))
+        await asyncio.wait_for(generating.wait(), 120)
         replicas = [
             a
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -248,14 +273,16 @@ def test_killing_a_custom_replica_mid_burst_loses_no_request(canary):
         for a in replicas:
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]))
         # and more requests while the replica is gone
-        second = await _burst(canary["port"], 20, concurrency=20, **long)
-        return [*(await first), *second]
+        second = await _burst(port, 20, concurrency=20, **long)
+        return [*(await first), *second], await probed
 
-    results = asyncio.run(run())
+    results, (probe_arm, probe_events) = asyncio.run(run())
     assert Counter(code for code, _, _ in results) == Counter({200: 60}), results
     failovers = Counter(f for _, _, f in results if f)
     assert failovers, results  # requests on or for the dead replica went to stock
     assert all(arm == "stock" for _, arm, f in results if f)
+    assert probe_arm == "custom" and probe_events[-1] != "[DONE]", probe_events[-3:]
+    assert "error" in json.loads(probe_events[-1]), probe_events[-1]
 
 
 def test_custom_arm_that_disagrees_is_rolled_back(canary):
