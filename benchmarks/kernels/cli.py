@@ -10,13 +10,18 @@ without a GPU stack. The run itself is benchmarks/kernels/suite.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fuselane.benchmarks.kernels import grid as kgrid
 from fuselane.benchmarks.kernels.grid import ALL_SECTIONS, FAMILIES, MODELS, SECTIONS, SIZES
+
+if TYPE_CHECKING:  # imported where used: the suite imports torch
+    from fuselane.benchmarks.kernels.gate import GateReport
+    from fuselane.benchmarks.kernels.suite import Options
 
 PEERS = ("vllm", "flashinfer", "torch")
 DEFAULT_BUDGET_S = 330.0
@@ -52,9 +57,10 @@ Peers on a machine without vLLM: put vLLM's Triton kernel files and FlashInfer o
 Performance gate: with --baseline FILE (a results file of an earlier run on the same GPU
 model; benchmarks/results/baseline-kernels-<gpu>.json are the committed ones, --quick --peers
 none), every fuselane row slower than the baseline's by more than --max-regression (and the
-absolute floor --min-delta-us) is named and the exit status is 1. Run it before merging a
-kernel change. Peers, other versions and rows missing on either side are reported, not
-compared (benchmarks/kernels/gate.py).
+absolute floor --min-delta-us) is timed once more (the sections and models of those rows,
+without peers; --no-confirm skips it) and, if slower again, named and the exit status is 1.
+Run it before merging a kernel change. Peers, other versions and rows missing on either side
+are reported, not compared (benchmarks/kernels/gate.py).
 Exit status: 0, or 1 if a fuselane kernel failed its check or could not run, or a row failed
 the gate; 2 on usage (a baseline of another GPU model included)."""
 
@@ -208,6 +214,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="US",
         help="with --baseline: and by more than this many microseconds (default 0.2: the "
         "timer's granularity on the smallest kernels)",
+    )
+    p.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="with --baseline: fail on the first run's slower rows without timing them again",
     )
     p.set_defaults(func=cmd_bench_kernels)
     return p
@@ -380,12 +391,30 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
         current = gate.load(outcome.paths["json"])
         try:
             report = gate.compare(current, baseline, args.max_regression, args.min_delta_us)
+            if report.regressions and not args.no_confirm:
+                report = _confirm(report, current, opts)
         except gate.GateError as e:
             sys.stderr.write(f"fuselane bench kernels: error: {e}\n")
             return 2
         print(report.text())
         status = status or (0 if report.passed else 1)
     return status
+
+
+def _confirm(report: GateReport, current: dict[str, Any], opts: Options) -> GateReport:
+    """`report` after timing its slower rows' sections and models once more, without peers,
+    into --out/confirm (`gate.confirm`)."""
+    from fuselane.benchmarks.kernels import gate, suite
+
+    sections, models = gate.rerun_selection(report, current)
+    print(f"gate: {len(report.regressions)} rows slower; timing {', '.join(sections)} of "
+          f"{', '.join(models)} again")  # fmt: skip
+    again = suite.run(
+        dataclasses.replace(opts, out=opts.out / "confirm", sections=tuple(sections),
+                            models=tuple(models), peers=frozenset(), budget_s=None),
+        Progress(enabled=False),
+    )  # fmt: skip
+    return gate.confirm(report, gate.load(again.paths["json"]))
 
 
 def main(argv: list[str] | None = None) -> int:

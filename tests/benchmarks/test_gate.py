@@ -80,3 +80,73 @@ def test_load_refuses_what_is_not_a_kernels_results_file(tmp_path):
 def test_threshold_out_of_range_is_refused():
     with pytest.raises(gate.GateError, match="max_regression"):
         gate.compare(run(a=1.0), run(a=1.0), max_regression=-0.1)
+
+
+def test_a_regression_timed_again_fails_only_if_slower_again():
+    """The confirming run: a row slower again stays a regression, a row back within the
+    thresholds moves to `unconfirmed` (the gate passes if none is left), a row the second run
+    did not time stays a regression."""
+    base = run(a=10.0, b=20.0, c=30.0)
+    report = gate.compare(run(a=11.0, b=22.0, c=33.0), base)
+    assert [r.case for r in report.regressions] == ["a", "b", "c"]
+    again = run(a=10.9, b=20.3)  # c not timed again
+    report = gate.confirm(report, again)
+    assert [(r.case, r.rerun_us) for r in report.regressions] == [("a", 10.9), ("c", None)]
+    assert [(r.case, r.rerun_us) for r in report.unconfirmed] == [("b", 20.3)]
+    text = report.text()
+    assert "| a | fuselane: 11.000 us against 10.000 us (1.100x; again 10.900 us)" in text
+    assert "not confirmed decode | b | fuselane: 22.000 us, again 20.300 us, against 20" in text
+    assert not report.passed
+    only_noise = gate.confirm(gate.compare(run(b=22.0), run(b=20.0)), run(b=20.3))
+    assert only_noise.passed and only_noise.text().endswith("PASS")
+
+
+def test_the_confirming_run_times_the_failing_rows_sections_and_models():
+    current = run(a=11.0, b=20.0)
+    models = ["llama-3-8b/mistral-7b", "llama-3-8b", "qwen", "qwen"]  # a, a's peer, b, b's peer
+    for r, names in zip(current["results"], models, strict=True):
+        r["models"] = names
+    current["results"].append(
+        {"section": "sampling", "case": "z", "impl": "fuselane", "us": 1.0, "models": "gemma"}
+    )
+    report = gate.compare(current, run(a=10.0, b=20.0))
+    assert gate.rerun_selection(report, current) == (["decode"], ["llama-3-8b", "mistral-7b"])
+    with pytest.raises(gate.GateError, match="confirming run was measured on 'NVIDIA H200'"):
+        gate.confirm(report, run(device="NVIDIA H200", a=11.0))
+
+
+@pytest.mark.parametrize("again_us, status", [(10.2, 0), (11.0, 1)])
+def test_the_cli_times_slower_rows_again_before_failing(tmp_path, monkeypatch, capsys, again_us,
+                                                        status):  # fmt: skip
+    """`fuselane bench kernels --baseline`: a first run with a slower row, then the confirming
+    run of that row's section and model without peers (the benchmark suite itself replaced by
+    one that writes the results files: no GPU here); exit 0 if the second run is back within
+    the thresholds, 1 if it is slower again; --no-confirm fails on the first run."""
+    from fuselane.benchmarks.kernels import cli, suite
+
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(run(a=10.0)))
+    calls = []
+
+    def fake_run(opts, events):
+        calls.append(opts)
+        data = run(a=11.0 if len(calls) == 1 else again_us)
+        for r in data["results"]:
+            r["models"] = "llama-3-8b"
+        opts.out.mkdir(parents=True, exist_ok=True)
+        path = opts.out / "kernels.json"
+        path.write_text(json.dumps(data))
+        return suite.Outcome({"json": path}, [], [], 1.0, "")
+
+    monkeypatch.setattr(suite, "run", fake_run)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # --interpret-smoke sets it: undone after
+    args = ["--interpret-smoke", "--out", str(tmp_path / "k"), "--baseline", str(baseline)]
+    assert cli.main(args) == status
+    first, second = calls
+    assert (second.sections, second.models, second.peers) == (("decode",), ("llama-3-8b",),
+                                                              frozenset())  # fmt: skip
+    assert second.out == first.out / "confirm"
+    out = capsys.readouterr().out
+    assert ("not confirmed decode | a" in out) == (status == 0)
+    calls.clear()
+    assert cli.main([*args, "--no-confirm"]) == 1 and len(calls) == 1
