@@ -32,8 +32,7 @@ BALANCE_SCAN = tl.constexpr(256)
 SCHEDULE_ITEMS = 32
 # Larger than any piece index: the "no sequence above" value of the schedule's search.
 NO_PIECE = tl.constexpr(1 << 30)
-# int32 per schedule entry: (sequence, piece, pieces, unused), one 16-byte line.
-ENTRY = tl.constexpr(SCHEDULE_ENTRY)
+ENTRY = tl.constexpr(SCHEDULE_ENTRY)  # int32 per entry (workspace.SCHEDULE_ENTRY)
 
 
 @triton.jit

@@ -159,13 +159,15 @@ def _attend_tiles(
     # kernel's 32-rows-per-warp tile needs (docs/tuning/attention.md, "The schedule, once per
     # step" and "KV-loop offsets in the prefill kernel").
     tl.static_assert(TILE_N % PAGE == 0)
-    page_in_tile = offs_t // PAGE
-    slot = offs_t % PAGE
+    if OFFSETS_FROM_TILE:
+        page_in_tile = offs_t // PAGE
+        tile_slot = offs_t % PAGE
     for j in range(t_lo, t_hi):
         offs_n = j * TILE_N + offs_t
         # Block-table entries of the tile (TILE_N // PAGE distinct pages), then row addresses.
         if OFFSETS_FROM_TILE:
             bt_tile = bt_row + j * (TILE_N // PAGE) + page_in_tile
+            slot = tile_slot
         else:
             bt_tile = bt_row + offs_n // PAGE
             slot = offs_n % PAGE

@@ -56,9 +56,9 @@ def _written_columns(ws: attn.AttentionWorkspace, qpos: int, num_q_heads: int, i
 
 @pytest.fixture
 def triton_decode(monkeypatch):
-    """The Triton decode kernel for every plan of the test: on an sm_90 GPU the rule gives the
-    small decode batches of the replay tests to Hopper's warp-specialized kernel, which reads
-    no schedule."""
+    """The Triton decode kernel for every plan of the test, whatever the rule gives Hopper's
+    warp-specialized decode kernel (it reads no schedule; a rule that gave it these small
+    batches, as one did, left the replay tests checking nothing on an sm_90 GPU)."""
     monkeypatch.setattr(attn.hopper, "_hopper_off", attn.hopper_kernels_off())  # undone after
     attn.disable_hopper_kernels("the test checks the Triton decode kernel's schedule")
     yield
