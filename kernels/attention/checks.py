@@ -202,6 +202,5 @@ def _refuse_unrunnable_ws(
     if ws_prefill and not prefill_ok:
         raise ValueError(
             f"paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs{off}, "
-            f"fp16/bf16 with a cache of the same dtype, head sizes {hopper.WS_HEAD_SIZES}, "
-            f"without sliding window, soft cap or sinks; {got}"
+            f"fp16/bf16 with a cache of the same dtype, head sizes {hopper.WS_HEAD_SIZES}; {got}"
         )

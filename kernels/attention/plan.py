@@ -229,13 +229,63 @@ PREFILL_TILES = {  # head_pad bound -> (block_m, block_n, num_warps, num_stages)
 # A device whose block shared memory cannot hold a tile takes fewer stages, then the small tile
 # (A100: 163 KiB per block; sm_89: 99 KiB).
 PREFILL_STAGE_FALLBACKS = (5, 3)
-# Hopper (prefill_ws.supports): the warp-specialized kernel for the launches of the large tile,
-# 256 rows in two compute warpgroups, 64 keys, 4 K/V slots: 465.9 / 508.7 / 529.3 TFLOP/s
+# Hopper (prefill_ws.supports): the warp-specialized kernel's tile at head size <= 128, 256 rows
+# in two compute warpgroups, 64 keys, 4 K/V slots: 465.9 / 508.7 / 529.3 TFLOP/s
 # against the Triton kernel's 425.8 / 456.4 / 473.4 (attention-h200-2026-11-26-ws-sweep.json).
 PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgroup, slots)
-# Head sizes the rule gives either Hopper kernel: measured at 128 only (64 passes the GPU
-# tests, not timed).
-WS_RULE_HEAD_SIZES = (128,)
+# Head size 256: 128 rows (64 per compute warpgroup: its fp32 accumulator takes 128 of its 216
+# registers, prefill_ws.WS_REGISTERS) and 2 slots: the 64 KiB Q tile and two 64 KiB K/V slots
+# fill 192 KiB.
+PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
+# Head sizes the rule gives either Hopper kernel (64 passes the GPU tests, not timed). At 256 the
+# prefill kernel (soft cap, as Gemma 2) ran 1.17-2.31x faster than the Triton kernel's 64-row
+# tile at S = 1k-32k, 2.02x with a 4096 window at S = 32k (H200,
+# prefill-ws-sweep-nvidia-h200-2026-11-27-gemma-2-9b-*.json); at 128 windows and sinks cost it
+# nothing against the Triton kernel (Mistral-7B's window: 1.9-3.9% faster at S = 4k-32k;
+# Llama-3-8B with sinks 10% faster at 4k and 16k: ...-mistral-7b-*.json,
+# ...-llama-3-8b-sinks.json).
+WS_RULE_HEAD_SIZES = (128, 256)
+# Launches of fewer programs of its tile (every sequence as long as the longest query) than this
+# fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200:
+# Llama-3-8B at 8-64 programs (S <= 512; a 9-256-token chunk after 4096 cached tokens), one kv
+# head (Llama-3-70B TP8) at 32-64 (S <= 2048: 35.8 against 40.8 µs at 1024), Gemma-2-9B at
+# 16-64 (S <= 512). From 112-128 programs on the Hopper kernel is faster: S = 1024 1.13-1.23x
+# (Llama-3-8B 48.9 -> 42.0 µs; Gemma-2-9B 60.3 -> 52.3), the 1024-token chunk 216 -> 172 µs
+# (prefill-ws-sweep-nvidia-h200-2026-11-27-{llama-3-8b-plain*,llama-3-70b-tp8-plain,
+# gemma-2-9b-softcap50-short,qwen-2.5-7b-plain}.json).
+PREFILL_WS_MIN_FILL = 0.75
+
+
+def prefill_ws_tile(head_size: int) -> tuple[int, int, int, int]:
+    """(block_m, block_n, warps per compute warpgroup, slots) of Hopper's prefill kernel."""
+    return PREFILL_WS_TILE_D256 if head_size > 128 else PREFILL_WS_TILE
+
+
+def prefill_ws_smem_bytes(block_m: int, block_n: int, head_size: int, slots: int) -> int:
+    """Shared memory of Hopper's prefill kernel (16-bit q and cache): the Q tile and `slots`
+    K and V tiles (its barriers, a few bytes, aside)."""
+    return (block_m + 2 * slots * block_n) * head_size * 2
+
+
+def prefill_ws_config(
+    num_q_heads: int, num_kv_heads: int, head_size: int, min_q: int,
+    max_smem: int = SMEM_PER_BLOCK_MAX,
+) -> PrefillConfig | None:  # fmt: skip
+    """Hopper's prefill kernel's config for these heads (its tile for the head size, sequences
+    of more than `min_q` query tokens), or None where it does not suit them: a query group
+    larger than the tile, or a tile beyond `max_smem`. The rule takes it for WS_RULE_HEAD_SIZES
+    and launches of at least PREFILL_WS_MIN_FILL x SMs programs; the benchmarks time it
+    everywhere it suits."""
+    block_m, block_n, num_warps, slots = prefill_ws_tile(head_size)
+    group = num_q_heads // num_kv_heads
+    if group > block_m or prefill_ws_smem_bytes(block_m, block_n, head_size, slots) > max_smem:
+        return None
+    return PrefillConfig(
+        block_m=block_m, block_n=block_n, min_q=min_q, num_warps=num_warps, num_stages=slots,
+        head_fast=PREFILL_HEAD_FAST, warp_specialized=True,
+    )  # fmt: skip
+
+
 # Hopper, a decode-only batch of one sequence (nothing to balance) too small to fill the GPU:
 # the warp-specialized decode kernel, one program per SM, splits = SMs // kv heads, 128-token
 # tiles in 2 slots: B=1 ctx 32768 40.07 us against FlashInfer's 42.17 and the Triton kernel's
@@ -484,14 +534,6 @@ def _plan_launch(
         block_m, block_n, num_warps, num_stages = _prefill_tile(
             group, head_size, programs, sms, max_smem, kv_bytes
         )
-        ws = (
-            warp_specialized
-            and head_size in WS_RULE_HEAD_SIZES
-            and block_m == large_rows
-            and group <= PREFILL_WS_TILE[0]
-        )
-        if ws:
-            block_m, block_n, num_warps, num_stages = PREFILL_WS_TILE
         prefill = PrefillConfig(
             block_m=block_m,
             block_n=block_n,
@@ -499,8 +541,13 @@ def _plan_launch(
             num_warps=num_warps,
             num_stages=num_stages,
             head_fast=PREFILL_HEAD_FAST,
-            warp_specialized=ws,
         )
+        if warp_specialized and head_size in WS_RULE_HEAD_SIZES:
+            ws = prefill_ws_config(num_q_heads, num_kv_heads, head_size, qpos_cap, max_smem)
+            if ws is not None:
+                ws_programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, ws.block_m)
+                if ws_programs >= PREFILL_WS_MIN_FILL * sms:
+                    prefill = ws
     return LaunchPlan(decode=decode, prefill=prefill)
 
 

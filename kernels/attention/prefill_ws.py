@@ -17,11 +17,15 @@ over all warps of the program; here the copies run ahead by `NUM_BUF` tiles and 
 warpgroup moves on as soon as its own tensor-core work allows, so one warpgroup's softmax
 overlaps another's matrix products.
 
-Supported: fp16/bf16 queries with a cache of the same dtype, head sizes 64 and 128, no sliding
-window, soft cap or sinks, on sm_90 (`supports`); `plan.plan_launch` uses the Triton
-kernel for everything else. Gluon kernels do not run under the Triton interpreter, so the CPU
-tests check the launch plan only; the GPU checks (`tests/gpu/`, `bench_attention`) compare this
-kernel with the fp32 reference.
+Options as the Triton kernel runs them: a sliding window (only the tiles from the window's first
+key of the block's first row are gathered; the window-edge tiles are masked like the diagonal
+ones), a soft cap (the base-2 logits are cap2 * tanh(s * scale / cap), as `decode._tanh`), and
+sinks (each row starts from its head's sink logit with a sum of 1, so the sink joins the
+denominator once). Supported: fp16/bf16 queries with a cache of the same dtype, head sizes 64,
+128 and 256, on sm_90 (`supports`); `plan.plan_launch` says when it runs and uses the Triton
+kernel for everything else (an fp8 cache among them). Gluon kernels do not run under the Triton
+interpreter, so the CPU tests check the launch plan only; the GPU checks (`tests/gpu/`,
+`bench_attention`) compare this kernel with the fp32 reference.
 """
 
 from __future__ import annotations
@@ -49,13 +53,16 @@ if TYPE_CHECKING:
     from .args import AttentionOptions, PagedBatch
     from .plan import PrefillConfig
 
-# Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each)
-# and their register budget; the compute warps get the rest of the register file.
+# Loader warps (one warpgroup: enough threads for a 16 KiB tile in 8 copies of 16 bytes each).
 LOAD_WARPS = gl.constexpr(4)
-LOAD_REGS = gl.constexpr(40)
-COMPUTE_REGS = gl.constexpr(232)
+# Registers per thread of (each compute warpgroup, the loader), by head size: the three
+# warpgroups share the 64 Ki register file (2 x 232 + 40 = 504 of 512 per thread slot). The
+# loader's tile addresses spill at 40 (sm_90a, ptxas: D=128 168 bytes, D=256 416); at D=256
+# 216 / 72 halves the loader's spills and keeps the compute warpgroups' 128-register
+# accumulator clear of them (208 / 88 spills inside their loop).
+WS_REGISTERS = {64: (232, 40), 128: (232, 40), 256: (216, 72)}
 
-WS_HEAD_SIZES = (64, 128)
+WS_HEAD_SIZES = (64, 128, 256)
 
 
 @functools.cache
@@ -107,13 +114,10 @@ def supports(
     has_sinks: bool,
 ) -> bool:
     """Whether this prefill kernel can run a call with these tensors and options: a cache of
-    q's dtype, head size 64 or 128, no window, soft cap or sinks."""
-    return (
-        sliding_window == 0
-        and softcap == 0
-        and not has_sinks
-        and tensors_supported(q, key_cache, value_cache, (q.dtype,), WS_HEAD_SIZES)
-    )
+    q's dtype, head size 64, 128 or 256, any sliding window, soft cap or sinks (the options are
+    taken so that the answer stays the caller's to ask per call)."""
+    del sliding_window, softcap, has_sinks  # every option runs (module docstring)
+    return tensors_supported(q, key_cache, value_cache, (q.dtype,), WS_HEAD_SIZES)
 
 
 @gluon.jit
@@ -144,12 +148,25 @@ def _locate(qb_global, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: gl.constexpr,
 
 
 @gluon.jit
-def _tile_bounds(ctx, p0, p_last, BLOCK_N: gl.constexpr):
-    """(n_full, n_tiles): tiles [0, n_full) are seen whole by every row of the block, tiles
-    [n_full, n_tiles) cross the diagonal (masked)."""
-    n_tiles = gl.cdiv(ctx + p_last + 1, BLOCK_N)
-    n_full = gl.minimum((ctx + p0 + 1) // BLOCK_N, n_tiles)
-    return n_full, n_tiles
+def _tile_bounds(ctx, p0, p_last, BLOCK_N: gl.constexpr, SLIDING_WINDOW: gl.constexpr):
+    """(t_lo, u_lo, u_hi, t_hi) of the block's queries a_lo = ctx + p0 .. a_hi = ctx + p_last,
+    as `decode._attend_range` cuts them: the rows see keys [kv_lo, a_hi] (kv_lo: a_lo's window
+    start); tiles [u_lo, u_hi) are seen whole by every row (unmasked), the tiles before them
+    (window edge) and after them (the diagonal) are masked; tiles [t_lo, t_hi) are gathered,
+    none past a_hi. With a window shorter than the block, edge tiles can cross the diagonal
+    and reach past the sequence's end too."""
+    a_lo = ctx + p0
+    a_hi = ctx + p_last
+    kv_lo = 0
+    full_lo = 0
+    if SLIDING_WINDOW > 0:
+        kv_lo = gl.maximum(a_lo - SLIDING_WINDOW + 1, 0)
+        full_lo = gl.maximum(a_hi - SLIDING_WINDOW + 1, 0)
+    t_lo = kv_lo // BLOCK_N
+    t_hi = gl.cdiv(a_hi + 1, BLOCK_N)
+    u_lo = gl.cdiv(full_lo, BLOCK_N)  # first tile that starts at or after full_lo
+    u_hi = gl.maximum(gl.minimum((a_lo + 1) // BLOCK_N, t_hi), u_lo)  # tiles ending <= a_lo
+    return t_lo, u_lo, u_hi, t_hi
 
 
 @gluon.jit
@@ -159,7 +176,7 @@ def _load_partition(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD: gl.constexpr, PAGE: gl.constexpr, NUM_BUF: gl.constexpr,
+    HEAD: gl.constexpr, PAGE: gl.constexpr, NUM_BUF: gl.constexpr, SLIDING_WINDOW: gl.constexpr,
 ):  # fmt: skip
     # Each thread copies rows of 16-byte pieces: HEAD // 8 threads cover a row.
     TPR: gl.constexpr = HEAD // 8
@@ -180,21 +197,23 @@ def _load_partition(
     async_load(q_smem, q_ptrs)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
-    n_full, n_tiles = _tile_bounds(ctx, p0, p_last, BLOCK_N)
+    t_lo, _, _, t_hi = _tile_bounds(ctx, p0, p_last, BLOCK_N, SLIDING_WINDOW)
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
     offs_t = gl.arange(0, BLOCK_N, layout=rows_l)
-    for j in range(0, n_tiles):
-        slot = j % NUM_BUF
+    for i in range(0, t_hi - t_lo):  # i: the ring's count, tile t_lo + i
+        slot = i % NUM_BUF
         # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
-        mbarrier.wait(empty.index(slot), ((j // NUM_BUF) & 1) ^ 1)
-        offs_n = j * BLOCK_N + offs_t
+        mbarrier.wait(empty.index(slot), ((i // NUM_BUF) & 1) ^ 1)
+        offs_n = (t_lo + i) * BLOCK_N + offs_t
         n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
         phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
         k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb,
                                        stride_ks, stride_vb, stride_vs, PAGE)  # fmt: skip
-        if j < n_full:
+        # A tile that reaches past the sequence's end is zero-filled there: edge tiles can too,
+        # when the window is shorter than the block.
+        if (t_lo + i + 1) * BLOCK_N <= seq_len:
             _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, None, False)
         else:
             _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, n_ok, True)
@@ -264,13 +283,25 @@ def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED:
 
 
 @gluon.jit
+def _visible(offs_n, q_abs, SLIDING_WINDOW: gl.constexpr):
+    """[rows, keys] mask of the keys `offs_n` each row (absolute query position `q_abs`) sees:
+    causal, and within the window's last SLIDING_WINDOW keys."""
+    keep = offs_n[None, :] <= q_abs[:, None]
+    if SLIDING_WINDOW > 0:
+        keep = keep & (offs_n[None, :] > (q_abs - SLIDING_WINDOW)[:, None])
+    return keep
+
+
+@gluon.jit
 def _compute_partition(
-    out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
-    q_start, q_len, qb, ctx, kv_head, qk_scale, stride_ot, stride_oh,
+    out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
+    q_start, q_len, qb, ctx, kv_head, qk_scale, softcap, stride_ot, stride_oh,
     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
+    SLIDING_WINDOW: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup's rows [ROW0, ROW0 + BLOCK_M) of the block's Q tile."""
+    """One warpgroup's rows [ROW0, ROW0 + BLOCK_M) of the block's Q tile, over the tiles the
+    loader gathers (`_tile_bounds`): window edge and diagonal masked, the interior not."""
     NW: gl.constexpr = gl.num_warps()
     q_rows = q_smem.slice(ROW0, BLOCK_M, dim=0)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -286,28 +317,49 @@ def _compute_partition(
 
     p0 = qb * BLOCK_Q
     p_last = gl.minimum(p0 + BLOCK_Q, q_len) - 1
-    n_full, n_tiles = _tile_bounds(ctx, p0, p_last, BLOCK_N)
+    t_lo, u_lo, u_hi, t_hi = _tile_bounds(ctx, p0, p_last, BLOCK_N, SLIDING_WINDOW)
     c = qk_scale * LOG2E
-    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, layout=s_rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    cap2 = softcap * LOG2E
+    inv_cap = qk_scale / softcap
+    if USE_SINKS:
+        s_head = kv_head * GROUP + (ROW0 + gl.arange(0, BLOCK_M, layout=s_rows)) % GROUP
+        m_i = gl.load(sinks_ptr + s_head).to(gl.float32) * LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=s_rows)
+    else:
+        m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, layout=s_rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
     acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     q_abs = ctx + gl.minimum(p0 + (ROW0 + gl.arange(0, BLOCK_M, layout=s_rows)) // GROUP, p_last)
     offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
 
     mbarrier.wait(q_bar, 0)
-    for j in range(0, n_full):  # interior: every key visible to every row
-        slot = j % NUM_BUF
-        mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
+    # The ring's count i runs on over the three phases (tile t_lo + i), as in the loader.
+    for j in range(t_lo, u_lo):  # window edge: keys before some rows' windows
+        i = j - t_lo
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        keep = _visible(j * BLOCK_N + offs_n0, q_abs, SLIDING_WINDOW)
         acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, None, False, 1.0, 1.0, False)  # fmt: skip
+                                     l_i, c, s_zero, keep, True, cap2, inv_cap,
+                                     USE_SOFTCAP)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
-    for j in range(n_full, n_tiles):  # the diagonal: key <= the row's own position
-        slot = j % NUM_BUF
-        mbarrier.wait(ready.index(slot), (j // NUM_BUF) & 1)
-        keep = (j * BLOCK_N + offs_n0)[None, :] <= q_abs[:, None]
+    for j in range(u_lo, u_hi):  # interior: every key visible to every row
+        i = j - t_lo
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
         acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, keep, True, 1.0, 1.0, False)  # fmt: skip
+                                     l_i, c, s_zero, None, False, cap2, inv_cap,
+                                     USE_SOFTCAP)  # fmt: skip
+        mbarrier.arrive(empty.index(slot))
+    for j in range(u_hi, t_hi):  # the diagonal: key <= the row's own position
+        i = j - t_lo
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        keep = _visible(j * BLOCK_N + offs_n0, q_abs, SLIDING_WINDOW)
+        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
+                                     l_i, c, s_zero, keep, True, cap2, inv_cap,
+                                     USE_SOFTCAP)  # fmt: skip
         mbarrier.arrive(empty.index(slot))
 
     l_o = gl.convert_layout(l_i, o_rows)
@@ -359,7 +411,9 @@ def _prefill_ws_kernel(
     cu_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, KV length including the new tokens
     bt_ptr,  # [num_seqs, max_blocks] int32
+    sinks_ptr,  # [Hq] fp32 (read only if USE_SINKS)
     scale,
+    softcap,  # used only if USE_SOFTCAP
     num_seqs,
     stride_qt,
     stride_qh,
@@ -381,6 +435,11 @@ def _prefill_ws_kernel(
     MIN_Q: gl.constexpr,
     NUM_BUF: gl.constexpr,
     HEAD_FAST: gl.constexpr,  # grid (Hkv, q blocks) instead of (q blocks, Hkv)
+    SLIDING_WINDOW: gl.constexpr,  # 0: off; else query p sees keys k with p - k < SLIDING_WINDOW
+    USE_SOFTCAP: gl.constexpr,
+    USE_SINKS: gl.constexpr,
+    COMPUTE_REGS: gl.constexpr,  # registers per thread of each compute warpgroup (WS_REGISTERS)
+    LOAD_REGS: gl.constexpr,  # and of the loader
 ):
     if HEAD_FAST:
         kv_head = gl.program_id(0)
@@ -401,22 +460,24 @@ def _prefill_ws_kernel(
             [
                 (
                     _compute_partition,
-                    (out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, q_len, qb,
-                     ctx, kv_head, scale, stride_ot, stride_oh, GROUP, BLOCK_Q, 0, WG_ROWS,
-                     BLOCK_N, HEAD, NUM_BUF),
+                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start,
+                     q_len, qb, ctx, kv_head, scale, softcap, stride_ot, stride_oh, GROUP,
+                     BLOCK_Q, 0, WG_ROWS, BLOCK_N, HEAD, NUM_BUF, SLIDING_WINDOW, USE_SOFTCAP,
+                     USE_SINKS),
                 ),
                 (
                     _compute_partition,
-                    (out_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, q_len, qb,
-                     ctx, kv_head, scale, stride_ot, stride_oh, GROUP, BLOCK_Q, WG_ROWS,
-                     WG_ROWS, BLOCK_N, HEAD, NUM_BUF),
+                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start,
+                     q_len, qb, ctx, kv_head, scale, softcap, stride_ot, stride_oh, GROUP,
+                     BLOCK_Q, WG_ROWS, WG_ROWS, BLOCK_N, HEAD, NUM_BUF, SLIDING_WINDOW,
+                     USE_SOFTCAP, USE_SINKS),
                 ),
                 (
                     _load_partition,
                     (q_ptr, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
                      seq, q_start, q_len, qb, ctx, seq_len, kv_head, stride_qt, stride_qh,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                     GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD, PAGE, NUM_BUF),
+                     GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD, PAGE, NUM_BUF, SLIDING_WINDOW),
                 ),
             ],
             [4, LOAD_WARPS],
@@ -442,6 +503,9 @@ def launch_prefill_ws(
     group = num_q_heads // num_kv_heads
     block_q = config.block_m // group
     grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, config.head_fast)
+    sinks = options.sinks
+    softcap = float(options.softcap)
+    compute_regs, load_regs = WS_REGISTERS[head_size]
     launch(
         _prefill_ws_kernel,
         grid,
@@ -452,7 +516,9 @@ def launch_prefill_ws(
         cu_seqlens_q,
         seq_lens,
         block_table,
+        sinks if sinks is not None else seq_lens,  # unread without sinks
         float(options.scale),
+        softcap if softcap > 0 else 1.0,
         num_seqs,
         *layout_strides(q, out, key_cache, value_cache, block_table),
         GROUP=group,
@@ -464,5 +530,10 @@ def launch_prefill_ws(
         MIN_Q=config.min_q,
         NUM_BUF=config.num_stages,
         HEAD_FAST=head_fast,
+        SLIDING_WINDOW=options.window,
+        USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None,
+        COMPUTE_REGS=compute_regs,
+        LOAD_REGS=load_regs,
         num_warps=config.num_warps,
     )

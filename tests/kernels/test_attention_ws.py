@@ -116,19 +116,86 @@ def test_ws_prefill_repeated_launches_agree():
     assert_repeats_agree(batch, ws, plan)
 
 
+WS_PREFILL_OPTION_CASES = [
+    # (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options)
+    # a window longer than the q block: edge tiles, interior, diagonal; a 1-token sequence
+    (
+        32,
+        8,
+        128,
+        16,
+        torch.bfloat16,
+        [700, 17, 1, 300],
+        [700, 17, 1, 1300],
+        dict(sliding_window=200),
+    ),
+    # a window shorter than the q block (64 positions): edge and diagonal tiles meet
+    (32, 8, 128, 16, torch.bfloat16, [500, 90], [500, 2000], dict(sliding_window=40)),
+    # sinks, chunked prefill after a cached prefix
+    (32, 8, 128, 32, torch.float16, [300, 90], [1300, 2000], dict(sinks=True)),
+    # head size 256 with a soft cap (Gemma 2), and with every option at once
+    (16, 8, 256, 16, torch.bfloat16, [700, 33, 1], [700, 1500, 1], dict(softcap=50.0)),
+    (
+        16,
+        8,
+        256,
+        16,
+        torch.float16,
+        [1100, 64],
+        [1900, 64],
+        dict(sliding_window=777, softcap=30.0, sinks=True),
+    ),
+    (8, 8, 256, 16, torch.bfloat16, [2100], [2100], dict()),
+    # head size 64, many query heads per kv head, a short window and sinks (gpt-oss-like)
+    (64, 8, 64, 16, torch.bfloat16, [600, 130], [600, 900], dict(sliding_window=128, sinks=True)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "case",
+    WS_PREFILL_OPTION_CASES,
+    ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])),
+)
+def test_ws_prefill_options_match_reference(case):
+    """Sliding window, soft cap and sinks, head sizes 64 / 128 / 256, in the warp-specialized
+    prefill kernel at its tile for the head size: against the reference, then repeated
+    launches bit-identical."""
+    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, options = case
+    batch = make_batch(
+        q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
+        q_dtype=q_dtype, seed=sum(seq_lens) + D,
+    )  # fmt: skip
+    options = dict(options)
+    if options.pop("sinks", False):
+        gen = torch.Generator().manual_seed(D)
+        options["sinks"] = (torch.randn(Hq, generator=gen) * 2.0).to(DEVICE)
+    ws = workspace(Hq, D)
+    block_m, block_n, warps, slots = attn.prefill_ws_tile(D)
+    plan = ws_plan(batch, ws, block_m=block_m, block_n=block_n, num_warps=warps,
+                   num_stages=slots)  # fmt: skip
+    assert_repeats_agree(batch, ws, plan, times=5, **options)
+
+
 def test_ws_plan_refused_where_the_kernel_cannot_run():
     """A plan naming the warp-specialized kernel for a batch it cannot run raises, naming what
-    it supports (on the CPU: every batch; on a GPU: a sliding window)."""
+    it supports (on the CPU: every batch; on a GPU: an fp8 cache)."""
     case = WS_CASES[3]
-    batch = ws_batch(case)
+    kv_dtype = torch.float8_e4m3fn if HOPPER else None
+    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, layout = case
+    batch = make_batch(
+        q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, layout=layout, seed=5,
+    )  # fmt: skip
     ws = workspace(case[0], case[2])
     plan = ws_plan(batch, ws)
-    options = {} if not HOPPER else {"sliding_window": 100}
     with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
-        run_case(batch, workspace=ws, plan=plan, **options)
+        run_case(batch, workspace=ws, plan=plan)
 
 
 def test_ws_supports_only_its_configurations():
+    """`prefill_ws.supports`: a q-dtype cache at head sizes 64 / 128 / 256 on sm_90, with any
+    option; CPU tensors, other head sizes, fp8 or mixed-dtype caches never."""
     q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
     base = dict(sliding_window=0, softcap=0.0, has_sinks=False)
@@ -136,12 +203,12 @@ def test_ws_supports_only_its_configurations():
     if HOPPER:
         qg, kg = q.to(DEVICE), kc.to(DEVICE)
         assert prefill_ws.supports(qg, kg, kg, **base)
-        for change in (
-            dict(sliding_window=64),
-            dict(softcap=30.0),
-            dict(has_sinks=True),
-        ):
-            assert not prefill_ws.supports(qg, kg, kg, **dict(base, **change))
+        every = dict(sliding_window=64, softcap=30.0, has_sinks=True)
+        assert prefill_ws.supports(qg, kg, kg, **every)
+        for d in (64, 256):
+            qd = torch.empty(4, 8, d, dtype=torch.bfloat16, device=DEVICE)
+            kd = torch.empty(3, 16, 2, d, dtype=torch.bfloat16, device=DEVICE)
+            assert prefill_ws.supports(qd, kd, kd, **every)
         assert not prefill_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96], **base)
         assert not prefill_ws.supports(
             qg, kg.to(torch.float8_e4m3fn), kg.to(torch.float8_e4m3fn), **base
@@ -160,27 +227,38 @@ def test_ws_flag_is_part_of_the_plan():
     assert dataclasses.replace(plan.prefill, warp_specialized=False) != plan.prefill
 
 
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16), (8, 1)])
-def test_rule_takes_the_ws_kernel_for_large_prefill_tiles_only(hq, hkv):
-    d = 128
-    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_size=d, sms=132, workspace=None)
-    long = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True, **kw)
-    assert long.prefill is not None and long.prefill.warp_specialized
-    assert (long.prefill.block_m, long.prefill.block_n) == attn.PREFILL_WS_TILE[:2]
-    assert long.prefill.num_stages == attn.PREFILL_WS_TILE[3]
-    # A prompt too short to fill the GPU with 256-row tiles keeps the Triton kernel's small tile.
-    short = attn.plan_launch(num_seqs=1, max_query_len=512, warp_specialized=True, **kw)
-    assert short.prefill is not None and not short.prefill.warp_specialized
-    decode = attn.plan_launch(num_seqs=8, max_query_len=1, warp_specialized=True, **kw)
-    assert decode.prefill is None
-    # Without the capability the rule is unchanged.
-    plain = attn.plan_launch(num_seqs=2, max_query_len=8192, **kw)
-    assert plain.prefill is not None and not plain.prefill.warp_specialized
-    assert plain.decode == long.decode
-    plans = attn.reachable_plans(warp_specialized=True, **kw)
-    assert any(p.prefill is not None and p.prefill.warp_specialized for p in plans)
-    assert any(p.prefill is not None and not p.prefill.warp_specialized for p in plans)
-    # Head sizes it was not timed at keep the Triton kernel.
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16), (8, 1), (16, 8)])
+def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv):
+    """With the capability, prefill launches at head sizes 128 and 256 of at least
+    PREFILL_WS_MIN_FILL x SMs programs of its tile take the warp-specialized kernel at that
+    tile; fewer keep the Triton kernel; head size 64 (not timed) keeps the Triton kernel;
+    decode-only batches have no prefill launch."""
+    sms = 132
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, sms=sms, workspace=None)
+    group = hq // hkv
+    for d in attn.WS_RULE_HEAD_SIZES:
+        kw["head_size"] = d
+        tile = attn.prefill_ws_tile(d)
+        for num_seqs, max_q in ((2, 8192), (1, 512), (1, 2048), (6, 9), (64, 300)):
+            plan = attn.plan_launch(num_seqs=num_seqs, max_query_len=max_q,
+                                    warp_specialized=True, **kw)  # fmt: skip
+            got = plan.prefill
+            assert got is not None
+            programs = num_seqs * hkv * -(-max_q * group // tile[0])
+            assert got.warp_specialized == (programs >= attn.PREFILL_WS_MIN_FILL * sms)
+            if got.warp_specialized:
+                assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == tile
+            else:
+                triton = attn.plan_launch(num_seqs=num_seqs, max_query_len=max_q, **kw)
+                assert got == triton.prefill
+        decode = attn.plan_launch(num_seqs=8, max_query_len=1, warp_specialized=True, **kw)
+        assert decode.prefill is None
+        # Without the capability the rule is unchanged.
+        plain = attn.plan_launch(num_seqs=2, max_query_len=8192, **kw)
+        assert plain.prefill is not None and not plain.prefill.warp_specialized
+        plans = attn.reachable_plans(warp_specialized=True, **kw)
+        assert any(p.prefill is not None and p.prefill.warp_specialized for p in plans)
+        assert any(p.prefill is not None and not p.prefill.warp_specialized for p in plans)
     d64 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True,
                            **dict(kw, head_size=64))  # fmt: skip
     assert d64.prefill is not None and not d64.prefill.warp_specialized

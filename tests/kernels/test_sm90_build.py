@@ -1,7 +1,7 @@
 """The GPU kernels built for sm_90a on a machine without a GPU (Triton's NVIDIA backend and its
 ptxas run on the CPU): front-end, layout and register-allocation errors of the Hopper decode
-kernel's cache and option variants, and of the fp8 query path, show here rather than at a
-GPU session's start-up. The runtime checks are the GPU tests (tests/kernels/test_attention*.py
+and prefill kernels' cache and option variants, and of the fp8 query path, show here rather than
+at a GPU session's start-up. The runtime checks are the GPU tests (tests/kernels/test_attention*.py
 on an sm_90 device). The builds run in one subprocess with the interpreter off (the other
 tests import the kernels interpreted)."""
 
@@ -101,11 +101,39 @@ def _decode_ws_shared(kv, head, tile, slots, window, softcap, sinks, split) -> i
     return kernel.metadata.shared
 
 
+# Hopper's prefill kernel: (head size, window, soft cap, sinks), each at its tile for the head.
+PREFILL_WS_VARIANTS = [
+    (128, 4096, False, True),  # window and sinks (Mistral-like, gpt-oss-like)
+    (256, 4096, True, True),  # head size 256, every option at once (Gemma 2 and more)
+]
+
+
+def _prefill_ws_shared(head, window, softcap, sinks) -> int:
+    """Shared memory of one variant of Hopper's prefill kernel, built through ptxas."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fuselane.kernels.attention import plan, prefill_ws
+
+    block_m, block_n, warps, slots = plan.prefill_ws_tile(head)
+    group = 4 if head == 128 else 2
+    compute_regs, load_regs = prefill_ws.WS_REGISTERS[head]
+    constants = dict(
+        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=head,
+        PAGE=16, MIN_Q=8, NUM_BUF=slots, HEAD_FAST=True, SLIDING_WINDOW=window,
+        USE_SOFTCAP=softcap, USE_SINKS=sinks, COMPUTE_REGS=compute_regs, LOAD_REGS=load_regs,
+    )  # fmt: skip
+    kernel = _compile(prefill_ws._prefill_ws_kernel, GluonASTSource, constants, "bf16",
+                      dict(num_warps=warps))  # fmt: skip
+    assert kernel.asm["cubin"]
+    return kernel.metadata.shared
+
+
 def _main() -> None:
     """The subprocess: every build, as one JSON line."""
     out: dict[str, object] = {"fp8_ptx": _fp8_decode_ptx(), "schedule": _schedule_kernel_builds()}
     if gluon_hopper_missing() is None:
         out["decode_ws_shared"] = [_decode_ws_shared(*v) for v in DECODE_WS_VARIANTS]
+        out["prefill_ws_shared"] = [_prefill_ws_shared(*v) for v in PREFILL_WS_VARIANTS]
     print(json.dumps(out))
 
 
@@ -146,3 +174,18 @@ def test_hopper_decode_kernel_builds(builds, index):
     kv, head, tile, slots, *_ = DECODE_WS_VARIANTS[index]
     counted = plan.decode_ws_smem_bytes(tile, head, slots, 1 if kv == "fp8e4nv" else 2)
     assert counted <= builds["decode_ws_shared"][index] <= counted + 1024
+
+
+@pytest.mark.skipif(gluon_hopper_missing() is not None, reason="no Gluon Hopper API")
+@pytest.mark.parametrize("index", range(len(PREFILL_WS_VARIANTS)))
+def test_hopper_prefill_kernel_builds(builds, index):
+    """Hopper's warp-specialized prefill kernel with its options, at head sizes 128 and 256,
+    through ptxas; its shared memory as `plan.prefill_ws_smem_bytes` counts it (plus
+    barriers), within the block's limit."""
+    from fuselane.kernels.attention import plan
+
+    head = PREFILL_WS_VARIANTS[index][0]
+    block_m, block_n, _, slots = plan.prefill_ws_tile(head)
+    counted = plan.prefill_ws_smem_bytes(block_m, block_n, head, slots)
+    assert counted <= builds["prefill_ws_shared"][index] <= counted + 1024
+    assert builds["prefill_ws_shared"][index] <= plan.SMEM_PER_BLOCK_MAX
