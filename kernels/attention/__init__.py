@@ -32,10 +32,10 @@ shape stays valid for any sequence lengths replayed into it):
   capture.
 
 On Hopper (sm_90), where the call's dtypes, alignment and options allow it
-(`hopper.warp_specialized_ok`), two of those launches are Gluon kernels with warp-specialized loader
-and compute warpgroups instead: the prefill launches of the 256-row tile
-(`prefill_ws`) and decode-only batches small enough for one program per SM with at
-least `DECODE_WS_MIN_SPLITS` splits (`decode_ws`). The choice depends on shapes and
+(`hopper.warp_specialized_ok`), two of those launches are Gluon kernels with warp-specialized
+loader and compute warpgroups instead: prefill launches of at least `PREFILL_WS_MIN_FILL` x SMs
+programs of its tile (`prefill_ws`) and a decode-only batch of one sequence with at least
+`DECODE_WS_MIN_SPLITS` splits (`decode_ws`). The choice depends on shapes and
 static properties only, like the rest of the plan.
 
 `max_query_len` and `max_seq_len` only pick the path: every path is exact for any query
