@@ -10,7 +10,8 @@ whole prefill at its first and last rows, a chunk whole) before it is timed (CUD
 medians).
 
     python -m fuselane.benchmarks.kernels.prefill_ws_sweep --out DIR --model NAME
-        [--window W] [--softcap C] [--sinks] [--seq 1024,4096] [--prefix N] [--budget SECONDS]
+        [--window W] [--softcap C] [--sinks] [--seq 1024,4096] [--prefix N] [--kv fp8]
+        [--small-tile] [--budget SECONDS]
 
 Writes DIR/prefill-ws-sweep-<gpu>-<date>-<tag>.json: device, versions, and per case the rule's
 plan and every point (kernel, tile, µs, TFLOP/s, match).
@@ -41,10 +42,13 @@ SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
 D256_REGISTERS = ((232, 40), (216, 72))
 
 
-def plans_for(p: aw.Problem, ws: attn.AttentionWorkspace) -> list[tuple[str, dict, object]]:
+def plans_for(
+    p: aw.Problem, ws: attn.AttentionWorkspace, small_tile: bool = False
+) -> list[tuple[str, dict, object]]:
     """(label, register split or {}, plan) of every point: the rule's, the Triton kernel's
     (where the rule took the other) and the warp-specialized kernel's (where it suits the
-    heads), at head size 256 once per register split of D256_REGISTERS."""
+    heads), at head size 256 once per register split of D256_REGISTERS; `small_tile`: also
+    at 128 rows (64 per compute warpgroup; head size <= 128), twice the programs."""
     shape = aw.plan_shape(p, ws)
     max_q = p.q.shape[0]
     rule = attn.plan_launch(max_query_len=max_q, warp_specialized=True, **shape)
@@ -55,23 +59,36 @@ def plans_for(p: aw.Problem, ws: attn.AttentionWorkspace) -> list[tuple[str, dic
     head = p.q.shape[2]
     ws_cfg = attn.prefill_ws_config(
         shape["num_q_heads"], shape["num_kv_heads"], head, triton.prefill.min_q,
-        shape["max_smem"],
+        shape["max_smem"], shape["kv_bytes"],
     )  # fmt: skip
     if ws_cfg is not None:
         plan = dataclasses.replace(rule, prefill=ws_cfg)
         splits = D256_REGISTERS if head > 128 else (prefill_ws.WS_REGISTERS[head],)
         for regs in splits:
             out.append((f"ws {regs[0]}/{regs[1]}", {head: regs}, plan))
+        group = shape["num_q_heads"] // shape["num_kv_heads"]
+        if small_tile and head <= 128 and group <= 128:
+            small = dataclasses.replace(ws_cfg, block_m=128)
+            out.append(("ws 128 rows", {}, dataclasses.replace(rule, prefill=small)))
     return out
 
 
-def run_case(model: str, seq: int, options: dict, budget_end: float, prefix: int = 0) -> dict:
+def run_case(
+    model: str,
+    seq: int,
+    options: dict,
+    budget_end: float,
+    prefix: int = 0,
+    kv: str = "bf16",
+    small_tile: bool = False,
+) -> dict:
     """One sequence of `seq` query tokens after `prefix` cached ones (a chunk of a chunked
-    prefill), every point of `plans_for`."""
+    prefill), every point of `plans_for`, on a bf16 or fp8 cache."""
     m = MODELS[model]
     p = aw.make_problem(
         [seq], [prefix + seq], generator(torch.device("cuda"), seq * 31 + m.head_size),
         hq=m.num_q_heads, hkv=m.num_kv_heads, d=m.head_size,
+        kv_dtype=aw.FP8 if kv == "fp8" else aw.DTYPE,
     )  # fmt: skip
     opts = dict(scale=m.head_size**-0.5, **options)
     if opts.pop("sinks", False):
@@ -88,7 +105,7 @@ def run_case(model: str, seq: int, options: dict, budget_end: float, prefix: int
     flops = 4.0 * m.num_q_heads * m.head_size * visible_pairs(seq, prefix + seq, window)
     points = []
     saved = dict(prefill_ws.WS_REGISTERS)
-    for label, regs, plan in plans_for(p, ws):
+    for label, regs, plan in plans_for(p, ws, small_tile):
         if time.monotonic() > budget_end:
             break
         pre = plan.prefill
@@ -119,12 +136,14 @@ def run_case(model: str, seq: int, options: dict, budget_end: float, prefix: int
         prefill_ws.WS_REGISTERS.update(saved)
         points.append(point)
     line = " ".join(f"{pt['label']}={pt.get('us', 'FAIL')}" for pt in points)
-    print(f"{model:16s} S={seq:<6d} prefix={prefix:<6d} {_tag(options):24s} {line}", flush=True)
+    print(f"{model:16s} S={seq:<6d} prefix={prefix:<6d} kv={kv:4s} {_tag(options):24s} {line}",
+          flush=True)  # fmt: skip
     rule = plans_for(p, ws)[0][2].prefill
     return {
         "model": model,
         "seq": seq,
         "prefix": prefix,
+        "kv": kv,
         "options": {k: (v if k != "sinks" else True) for k, v in options.items()},
         "flops": flops,
         "rule": dataclasses.asdict(rule),
@@ -148,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sinks", action="store_true", help="random per-head sinks")
     ap.add_argument("--seq", default=",".join(map(str, SEQS)), help="e.g. 1024,8192")
     ap.add_argument("--prefix", type=int, default=0, help="cached tokens before the query")
+    ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--small-tile", action="store_true", help="also the 128-row Hopper tile")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; later points skipped")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     for seq in (int(x) for x in args.seq.split(",") if x):
         if time.monotonic() > end:
             break
-        cases.append(run_case(args.model, seq, options, end, args.prefix))
+        cases.append(run_case(args.model, seq, options, end, args.prefix, args.kv, args.small_tile))
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = str(harness.device_info()["device"]).lower().replace(" ", "-")
     tag = f"{args.model}-{_tag(options).replace(',', '-').replace('=', '')}"
     if args.prefix:
         tag += f"-prefix{args.prefix}"
+    if args.kv != "bf16":
+        tag += f"-kv{args.kv}"
+    if args.small_tile:
+        tag += "-small-tile"
     path = args.out / f"prefill-ws-sweep-{gpu}-{datetime.date.today()}-{tag}.json"
     payload = {"device": harness.device_info(), "cases": cases}
     path.write_text(json.dumps(payload, indent=1))

@@ -245,6 +245,8 @@ PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
 # Llama-3-8B with sinks 10% faster at 4k and 16k: ...-mistral-7b-*.json,
 # ...-llama-3-8b-sinks.json).
 WS_RULE_HEAD_SIZES = (128, 256)
+# An fp8 cache keeps the Triton prefill kernel: Hopper's kernel takes one (`prefill_ws`, each
+# tile converted through registers into staging buffers) but is not timed against it yet.
 # Launches of fewer programs of its tile (every sequence as long as the longest query) than this
 # fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200:
 # Llama-3-8B at 8-64 programs (S <= 512; a 9-256-token chunk after 4096 cached tokens), one kv
@@ -261,15 +263,30 @@ def prefill_ws_tile(head_size: int) -> tuple[int, int, int, int]:
     return PREFILL_WS_TILE_D256 if head_size > 128 else PREFILL_WS_TILE
 
 
-def prefill_ws_smem_bytes(block_m: int, block_n: int, head_size: int, slots: int) -> int:
-    """Shared memory of Hopper's prefill kernel (16-bit q and cache): the Q tile and `slots`
-    K and V tiles (its barriers, a few bytes, aside)."""
-    return (block_m + 2 * slots * block_n) * head_size * 2
+def prefill_ws_stage_buffers(head_size: int, kv_bytes: int) -> int:
+    """Staging buffers of converted K/V tiles in Hopper's prefill kernel: none for a 16-bit
+    cache; for fp8 two at head size <= 128 (the Q tile, four fp8 slots and two staged tiles:
+    64 + 64 + 64 KiB), one at 256 (64 + 2 x 32 + 64 KiB: both compute warpgroups finish a tile
+    before the next is staged)."""
+    if kv_bytes == 2:
+        return 0
+    return 1 if head_size > 128 else 2
+
+
+def prefill_ws_smem_bytes(
+    block_m: int, block_n: int, head_size: int, slots: int, kv_bytes: int = 2
+) -> int:
+    """Shared memory of Hopper's prefill kernel (16-bit q): the Q tile, `slots` K and V tiles of
+    the cache's dtype and, for fp8, the staging buffers of converted K and V tiles (its
+    barriers, a few bytes, aside)."""
+    staged = prefill_ws_stage_buffers(head_size, kv_bytes)
+    tiles = block_m * 2 + 2 * slots * block_n * kv_bytes + 2 * staged * block_n * 2
+    return tiles * head_size
 
 
 def prefill_ws_config(
     num_q_heads: int, num_kv_heads: int, head_size: int, min_q: int,
-    max_smem: int = SMEM_PER_BLOCK_MAX,
+    max_smem: int = SMEM_PER_BLOCK_MAX, kv_bytes: int = 2,
 ) -> PrefillConfig | None:  # fmt: skip
     """Hopper's prefill kernel's config for these heads (its tile for the head size, sequences
     of more than `min_q` query tokens), or None where it does not suit them: a query group
@@ -278,7 +295,8 @@ def prefill_ws_config(
     everywhere it suits."""
     block_m, block_n, num_warps, slots = prefill_ws_tile(head_size)
     group = num_q_heads // num_kv_heads
-    if group > block_m or prefill_ws_smem_bytes(block_m, block_n, head_size, slots) > max_smem:
+    smem = prefill_ws_smem_bytes(block_m, block_n, head_size, slots, kv_bytes)
+    if group > block_m or smem > max_smem:
         return None
     return PrefillConfig(
         block_m=block_m, block_n=block_n, min_q=min_q, num_warps=num_warps, num_stages=slots,
@@ -542,7 +560,7 @@ def _plan_launch(
             num_stages=num_stages,
             head_fast=PREFILL_HEAD_FAST,
         )
-        if warp_specialized and head_size in WS_RULE_HEAD_SIZES:
+        if warp_specialized and head_size in WS_RULE_HEAD_SIZES and kv_bytes == 2:
             ws = prefill_ws_config(num_q_heads, num_kv_heads, head_size, qpos_cap, max_smem)
             if ws is not None:
                 ws_programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, ws.block_m)

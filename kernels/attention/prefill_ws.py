@@ -21,9 +21,14 @@ Options as the Triton kernel runs them: a sliding window (only the tiles from th
 key of the block's first row are gathered; the window-edge tiles are masked like the diagonal
 ones), a soft cap (the base-2 logits are cap2 * tanh(s * scale / cap), as `decode._tanh`), and
 sinks (each row starts from its head's sink logit with a sum of 1, so the sink joins the
-denominator once). Supported: fp16/bf16 queries with a cache of the same dtype, head sizes 64,
-128 and 256, on sm_90 (`supports`); `plan.plan_launch` says when it runs and uses the Triton
-kernel for everything else (an fp8 cache among them). Gluon kernels do not run under the Triton
+denominator once). An fp8 e4m3 cache with per-tensor scales: the loader copies the fp8 tiles
+(half the bytes per slot); each compute warpgroup converts half of a tile's rows to q's dtype
+in registers into a staging buffer both read (`_stage_fp8_half`: the ring slot is released once
+both halves are read, the staging buffer once both warpgroups' products are done; two staging
+buffers at head size <= 128, one at 256), k's scale is folded into the logit scale and v's into
+the output. Supported: fp16/bf16 queries with a cache of the same dtype or fp8 e4m3, head
+sizes 64, 128 and 256, on sm_90 (`supports`); `plan.plan_launch` says when it runs and uses the
+Triton kernel for everything else. Gluon kernels do not run under the Triton
 interpreter, so the CPU tests check the launch plan only; the GPU checks (`tests/gpu/`,
 `bench_attention`) compare this kernel with the fp32 reference.
 """
@@ -44,9 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .._checks import FP8_E4M3
 from .._launch import launch
-from .._triton_compat import async_load
+from .._triton_compat import async_load, cta_barrier
 from .decode import LOG2E, NEG_BIG, layout_strides
+from .plan import prefill_ws_stage_buffers
 from .prefill import prefill_grid
 
 if TYPE_CHECKING:
@@ -114,10 +121,10 @@ def supports(
     has_sinks: bool,
 ) -> bool:
     """Whether this prefill kernel can run a call with these tensors and options: a cache of
-    q's dtype, head size 64, 128 or 256, any sliding window, soft cap or sinks (the options are
-    taken so that the answer stays the caller's to ask per call)."""
+    q's dtype or fp8 e4m3, head size 64, 128 or 256, any sliding window, soft cap or sinks (the
+    options are taken so that the answer stays the caller's to ask per call)."""
     del sliding_window, softcap, has_sinks  # every option runs (module docstring)
-    return tensors_supported(q, key_cache, value_cache, (q.dtype,), WS_HEAD_SIZES)
+    return tensors_supported(q, key_cache, value_cache, (q.dtype, FP8_E4M3), WS_HEAD_SIZES)
 
 
 @gluon.jit
@@ -177,13 +184,21 @@ def _load_partition(
     stride_bt,
     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD: gl.constexpr, PAGE: gl.constexpr, NUM_BUF: gl.constexpr, SLIDING_WINDOW: gl.constexpr,
+    KV_VEC: gl.constexpr,
 ):  # fmt: skip
-    # Each thread copies rows of 16-byte pieces: HEAD // 8 threads cover a row.
+    # Each thread copies rows of 16-byte pieces: 8 q elements, KV_VEC cache elements (8, or 16
+    # of fp8); HEAD // 8 (HEAD // KV_VEC) threads cover a row.
     TPR: gl.constexpr = HEAD // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
     offs_d = gl.arange(0, HEAD, layout=cols_l)
+    TPR_KV: gl.constexpr = HEAD // KV_VEC
+    kv_layout: gl.constexpr = gl.BlockedLayout(
+        [1, KV_VEC], [32 // TPR_KV, TPR_KV], [gl.num_warps(), 1], [1, 0]
+    )
+    kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
+    offs_dk = gl.arange(0, HEAD, layout=gl.SliceLayout(0, kv_layout))
 
     # Q tile: row r is position p0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past
     # the block's last position repeat it (finite values, never stored).
@@ -201,7 +216,7 @@ def _load_partition(
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
-    offs_t = gl.arange(0, BLOCK_N, layout=rows_l)
+    offs_t = gl.arange(0, BLOCK_N, layout=kv_rows)
     for i in range(0, t_hi - t_lo):  # i: the ring's count, tile t_lo + i
         slot = i % NUM_BUF
         # The first pass over the ring finds every slot free (parity 1 of a fresh barrier).
@@ -209,7 +224,7 @@ def _load_partition(
         offs_n = (t_lo + i) * BLOCK_N + offs_t
         n_ok = offs_n < seq_len  # slots past the sequence may hold NaN: never read
         phys = gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(gl.int64)
-        k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_d, stride_kb,
+        k_ptrs, v_ptrs = _kv_tile_ptrs(k_base, v_base, phys, offs_n, offs_dk, stride_kb,
                                        stride_ks, stride_vb, stride_vs, PAGE)  # fmt: skip
         # A tile that reaches past the sequence's end is zero-filled there: edge tiles can too,
         # when the window is shorter than the block.
@@ -283,6 +298,64 @@ def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED:
 
 
 @gluon.jit
+def _stage_fp8_half(k_slot, v_slot, k_stage, v_stage, empty_bar, staged_bar, freed_bar, use,
+                    HALF0: gl.constexpr, HALF: gl.constexpr, HEAD: gl.constexpr):  # fmt: skip
+    """This warpgroup's half of an fp8 ring slot (rows [HALF0, HALF0 + HALF) of K and V)
+    converted into a staging buffer (q's dtype) that both compute warpgroups then read: wait
+    until both have finished reading the buffer's previous tile (`freed_bar`, use - 1), load
+    and convert the half, release the ring slot (`empty_bar`: every thread's loads are done),
+    write the half, fence it for the tensor cores, arrive at `staged_bar` and wait for the
+    other warpgroup's half (its `use`-th completion)."""
+    TPR: gl.constexpr = HEAD // 16
+    cvt: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    # The buffer's first use finds it free (parity 1 of a fresh barrier).
+    mbarrier.wait(freed_bar, (use & 1) ^ 1)
+    k = k_slot.slice(HALF0, HALF, dim=0).load(cvt).to(k_stage.dtype)
+    v = v_slot.slice(HALF0, HALF, dim=0).load(cvt).to(v_stage.dtype)
+    cta_barrier()
+    mbarrier.arrive(empty_bar)
+    k_stage.slice(HALF0, HALF, dim=0).store(k)
+    v_stage.slice(HALF0, HALF, dim=0).store(v)
+    fence_async_shared()
+    cta_barrier()
+    mbarrier.arrive(staged_bar)
+    mbarrier.wait(staged_bar, use & 1)
+
+
+@gluon.jit
+def _consume_tile(
+    i, q_rows, k_smem, v_smem, k_stage, v_stage, ready, empty, staged, freed, acc, m_i, l_i, c,
+    s_zero, keep, MASKED: gl.constexpr, cap2, inv_cap, USE_SOFTCAP: gl.constexpr,
+    NUM_BUF: gl.constexpr, KV_FP8: gl.constexpr, STAGE_BUF: gl.constexpr, HALF0: gl.constexpr,
+    HEAD: gl.constexpr,
+):  # fmt: skip
+    """The ring's `i`-th K/V tile into (acc, m_i, l_i) (`_attend_slot`; MASKED: where not
+    `keep`), then its slot released. An fp8 slot is first converted into staging buffer
+    i % STAGE_BUF (`_stage_fp8_half`), released as soon as both halves are read, and the
+    staging buffer released after the products."""
+    slot = i % NUM_BUF
+    buf = i % STAGE_BUF
+    mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+    if KV_FP8:
+        k_tile = k_stage.index(buf)
+        v_tile = v_stage.index(buf)
+        HALF: gl.constexpr = k_tile.shape[0] // 2
+        _stage_fp8_half(k_smem.index(slot), v_smem.index(slot), k_tile, v_tile,
+                        empty.index(slot), staged.index(buf), freed.index(buf), i // STAGE_BUF,
+                        HALF0, HALF, HEAD)  # fmt: skip
+    else:
+        k_tile = k_smem.index(slot)
+        v_tile = v_smem.index(slot)
+    acc, m_i, l_i = _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED,
+                                 cap2, inv_cap, USE_SOFTCAP)  # fmt: skip
+    if KV_FP8:
+        mbarrier.arrive(freed.index(buf))
+    else:
+        mbarrier.arrive(empty.index(slot))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _visible(offs_n, q_abs, SLIDING_WINDOW: gl.constexpr):
     """[rows, keys] mask of the keys `offs_n` each row (absolute query position `q_abs`) sees:
     causal, and within the window's last SLIDING_WINDOW keys."""
@@ -294,14 +367,18 @@ def _visible(offs_n, q_abs, SLIDING_WINDOW: gl.constexpr):
 
 @gluon.jit
 def _compute_partition(
-    out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
-    q_start, q_len, qb, ctx, kv_head, qk_scale, softcap, stride_ot, stride_oh,
+    out_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_stage, v_stage, q_bar, ready, empty, staged,
+    freed, q_start, q_len, qb, ctx, kv_head, qk_scale, softcap, v_scale,
+    stride_ot, stride_oh,
     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD: gl.constexpr, NUM_BUF: gl.constexpr,
     SLIDING_WINDOW: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+    KV_FP8: gl.constexpr, STAGE_BUF: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup's rows [ROW0, ROW0 + BLOCK_M) of the block's Q tile, over the tiles the
-    loader gathers (`_tile_bounds`): window edge and diagonal masked, the interior not."""
+    loader gathers (`_tile_bounds`): window edge and diagonal masked, the interior not. With an
+    fp8 cache this warpgroup converts its half of each tile's keys (the first or the second,
+    as its rows are) for both (`_stage_fp8_half`); `v_scale` multiplies the output."""
     NW: gl.constexpr = gl.num_warps()
     q_rows = q_smem.slice(ROW0, BLOCK_M, dim=0)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -314,6 +391,7 @@ def _compute_partition(
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    HALF0: gl.constexpr = (ROW0 // BLOCK_M) * (BLOCK_N // 2)
 
     p0 = qb * BLOCK_Q
     p_last = gl.minimum(p0 + BLOCK_Q, q_len) - 1
@@ -334,33 +412,29 @@ def _compute_partition(
     offs_n0 = gl.arange(0, BLOCK_N, layout=s_cols)
 
     mbarrier.wait(q_bar, 0)
-    # The ring's count i runs on over the three phases (tile t_lo + i), as in the loader.
+    # The ring's count i = j - t_lo runs on over the three phases, as in the loader.
     for j in range(t_lo, u_lo):  # window edge: keys before some rows' windows
-        i = j - t_lo
-        slot = i % NUM_BUF
-        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
         keep = _visible(j * BLOCK_N + offs_n0, q_abs, SLIDING_WINDOW)
-        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, keep, True, cap2, inv_cap,
-                                     USE_SOFTCAP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
+        acc, m_i, l_i = _consume_tile(
+            j - t_lo, q_rows, k_smem, v_smem, k_stage, v_stage, ready, empty, staged, freed,
+            acc, m_i, l_i, c, s_zero, keep, True, cap2, inv_cap, USE_SOFTCAP, NUM_BUF, KV_FP8,
+            STAGE_BUF, HALF0, HEAD,
+        )  # fmt: skip
     for j in range(u_lo, u_hi):  # interior: every key visible to every row
-        i = j - t_lo
-        slot = i % NUM_BUF
-        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, None, False, cap2, inv_cap,
-                                     USE_SOFTCAP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
+        acc, m_i, l_i = _consume_tile(
+            j - t_lo, q_rows, k_smem, v_smem, k_stage, v_stage, ready, empty, staged, freed,
+            acc, m_i, l_i, c, s_zero, None, False, cap2, inv_cap, USE_SOFTCAP, NUM_BUF, KV_FP8,
+            STAGE_BUF, HALF0, HEAD,
+        )  # fmt: skip
     for j in range(u_hi, t_hi):  # the diagonal: key <= the row's own position
-        i = j - t_lo
-        slot = i % NUM_BUF
-        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
         keep = _visible(j * BLOCK_N + offs_n0, q_abs, SLIDING_WINDOW)
-        acc, m_i, l_i = _attend_slot(q_rows, k_smem.index(slot), v_smem.index(slot), acc, m_i,
-                                     l_i, c, s_zero, keep, True, cap2, inv_cap,
-                                     USE_SOFTCAP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
+        acc, m_i, l_i = _consume_tile(
+            j - t_lo, q_rows, k_smem, v_smem, k_stage, v_stage, ready, empty, staged, freed,
+            acc, m_i, l_i, c, s_zero, keep, True, cap2, inv_cap, USE_SOFTCAP, NUM_BUF, KV_FP8,
+            STAGE_BUF, HALF0, HEAD,
+        )  # fmt: skip
+    if KV_FP8:
+        acc = acc * v_scale
 
     l_o = gl.convert_layout(l_i, o_rows)
     o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
@@ -401,17 +475,37 @@ def _allocate_ring(
     return q_smem, k_smem, v_smem, q_bar, ready, empty
 
 
+@gluon.jit
+def _allocate_staging(dtype: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr,
+                      STAGE_BUF: gl.constexpr):  # fmt: skip
+    """An fp8 cache's staging buffers: STAGE_BUF converted K and V tiles (`dtype`, wgmma operand
+    layout) and their barriers, each completing after both compute warpgroups' arrivals:
+    `staged[b]` (both halves written), `freed[b]` (both warpgroups' products read it)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+    k_stage = gl.allocate_shared_memory(dtype, [STAGE_BUF, BLOCK_N, HEAD], layout)
+    v_stage = gl.allocate_shared_memory(dtype, [STAGE_BUF, BLOCK_N, HEAD], layout)
+    staged = gl.allocate_shared_memory(gl.int64, [STAGE_BUF, 1], mbarrier.MBarrierLayout())
+    freed = gl.allocate_shared_memory(gl.int64, [STAGE_BUF, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGE_BUF):
+        mbarrier.init(staged.index(b), count=2)
+        mbarrier.init(freed.index(b), count=2)
+    fence_async_shared()
+    return k_stage, v_stage, staged, freed
+
+
 # num_seqs varies per batch: not specialized (no new variant mid-serving for 1 or 16 sequences).
 @gluon.jit(do_not_specialize=["num_seqs"])
 def _prefill_ws_kernel(
     q_ptr,  # [num_tokens, Hq, D] fp16/bf16
-    k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype (last dim contiguous)
+    k_ptr,  # [num_blocks, PAGE, Hkv, D] q's dtype or fp8 e4m3 (last dim contiguous)
     v_ptr,  # [num_blocks, PAGE, Hkv, D]
     out_ptr,  # [num_tokens, Hq, D] q's dtype
     cu_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, KV length including the new tokens
     bt_ptr,  # [num_seqs, max_blocks] int32
     sinks_ptr,  # [Hq] fp32 (read only if USE_SINKS)
+    k_scale_ptr,  # [1] fp32 (read only if KV_FP8)
+    v_scale_ptr,  # [1] fp32 (read only if KV_FP8)
     scale,
     softcap,  # used only if USE_SOFTCAP
     num_seqs,
@@ -438,6 +532,9 @@ def _prefill_ws_kernel(
     SLIDING_WINDOW: gl.constexpr,  # 0: off; else query p sees keys k with p - k < SLIDING_WINDOW
     USE_SOFTCAP: gl.constexpr,
     USE_SINKS: gl.constexpr,
+    KV_FP8: gl.constexpr,  # fp8 e4m3 cache, per-tensor scales; KV_VEC = 16
+    KV_VEC: gl.constexpr,  # cache elements per 16-byte copy
+    STAGE_BUF: gl.constexpr,  # fp8: staging buffers of the converted K/V tiles (1 or 2)
     COMPUTE_REGS: gl.constexpr,  # registers per thread of each compute warpgroup (WS_REGISTERS)
     LOAD_REGS: gl.constexpr,  # and of the loader
 ):
@@ -451,33 +548,46 @@ def _prefill_ws_kernel(
         qb_global, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, MIN_Q
     )
     if live:
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
         # `empty`: one arrival per compute warpgroup
         q_smem, k_smem, v_smem, q_bar, ready, empty = _allocate_ring(
-            q_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD, NUM_BUF, 2, q_ptr.dtype.element_ty
+            dtype, BLOCK_M, BLOCK_N, HEAD, NUM_BUF, 2, k_ptr.dtype.element_ty
         )
+        qk_scale = scale
+        v_scale = 1.0
+        if KV_FP8:  # value = stored * scale: k's folded into the logit scale, v's into the output
+            qk_scale = scale * gl.load(k_scale_ptr)
+            v_scale = gl.load(v_scale_ptr)
+            k_stage, v_stage, staged, freed = _allocate_staging(dtype, BLOCK_N, HEAD, STAGE_BUF)
+        else:  # unused
+            k_stage = k_smem
+            v_stage = v_smem
+            staged = ready
+            freed = empty
         WG_ROWS: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize(
             [
                 (
                     _compute_partition,
-                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start,
-                     q_len, qb, ctx, kv_head, scale, softcap, stride_ot, stride_oh, GROUP,
-                     BLOCK_Q, 0, WG_ROWS, BLOCK_N, HEAD, NUM_BUF, SLIDING_WINDOW, USE_SOFTCAP,
-                     USE_SINKS),
+                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_stage, v_stage, q_bar, ready,
+                     empty, staged, freed, q_start, q_len, qb, ctx, kv_head, qk_scale, softcap,
+                     v_scale, stride_ot, stride_oh, GROUP, BLOCK_Q, 0, WG_ROWS, BLOCK_N, HEAD,
+                     NUM_BUF, SLIDING_WINDOW, USE_SOFTCAP, USE_SINKS, KV_FP8, STAGE_BUF),
                 ),
                 (
                     _compute_partition,
-                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start,
-                     q_len, qb, ctx, kv_head, scale, softcap, stride_ot, stride_oh, GROUP,
-                     BLOCK_Q, WG_ROWS, WG_ROWS, BLOCK_N, HEAD, NUM_BUF, SLIDING_WINDOW,
-                     USE_SOFTCAP, USE_SINKS),
+                    (out_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_stage, v_stage, q_bar, ready,
+                     empty, staged, freed, q_start, q_len, qb, ctx, kv_head, qk_scale, softcap,
+                     v_scale, stride_ot, stride_oh, GROUP, BLOCK_Q, WG_ROWS, WG_ROWS, BLOCK_N,
+                     HEAD, NUM_BUF, SLIDING_WINDOW, USE_SOFTCAP, USE_SINKS, KV_FP8, STAGE_BUF),
                 ),
                 (
                     _load_partition,
                     (q_ptr, k_ptr, v_ptr, bt_ptr, q_smem, k_smem, v_smem, q_bar, ready, empty,
                      seq, q_start, q_len, qb, ctx, seq_len, kv_head, stride_qt, stride_qh,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                     GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD, PAGE, NUM_BUF, SLIDING_WINDOW),
+                     GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD, PAGE, NUM_BUF, SLIDING_WINDOW,
+                     KV_VEC),
                 ),
             ],
             [4, LOAD_WARPS],
@@ -503,8 +613,9 @@ def launch_prefill_ws(
     group = num_q_heads // num_kv_heads
     block_q = config.block_m // group
     grid, head_fast = prefill_grid(num_tokens, num_seqs, num_kv_heads, block_q, config.head_fast)
-    sinks = options.sinks
+    sinks, k_scale, v_scale = options.sinks, options.k_scale, options.v_scale
     softcap = float(options.softcap)
+    kv_fp8 = key_cache.dtype == FP8_E4M3
     compute_regs, load_regs = WS_REGISTERS[head_size]
     launch(
         _prefill_ws_kernel,
@@ -516,7 +627,10 @@ def launch_prefill_ws(
         cu_seqlens_q,
         seq_lens,
         block_table,
-        sinks if sinks is not None else seq_lens,  # unread without sinks
+        # Unused pointer arguments get a valid tensor: the constexpr switches keep them unread.
+        sinks if sinks is not None else seq_lens,
+        k_scale if kv_fp8 else seq_lens,
+        v_scale if kv_fp8 else seq_lens,
         float(options.scale),
         softcap if softcap > 0 else 1.0,
         num_seqs,
@@ -533,6 +647,9 @@ def launch_prefill_ws(
         SLIDING_WINDOW=options.window,
         USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None,
+        KV_FP8=kv_fp8,
+        KV_VEC=16 // key_cache.element_size(),
+        STAGE_BUF=max(1, prefill_ws_stage_buffers(head_size, key_cache.element_size())),
         COMPUTE_REGS=compute_regs,
         LOAD_REGS=load_regs,
         num_warps=config.num_warps,

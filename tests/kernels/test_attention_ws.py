@@ -177,25 +177,61 @@ def test_ws_prefill_options_match_reference(case):
     assert_repeats_agree(batch, ws, plan, times=5, **options)
 
 
-def test_ws_plan_refused_where_the_kernel_cannot_run():
-    """A plan naming the warp-specialized kernel for a batch it cannot run raises, naming what
-    it supports (on the CPU: every batch; on a GPU: an fp8 cache)."""
-    case = WS_CASES[3]
-    kv_dtype = torch.float8_e4m3fn if HOPPER else None
-    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, layout = case
+WS_PREFILL_FP8_CASES = [
+    # (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options): fp8 e4m3 caches, scales != 1
+    (32, 8, 128, 16, torch.bfloat16, [700, 17, 1, 64], [700, 17, 1, 64], dict()),
+    (16, 2, 128, 32, torch.float16, [300, 90], [1300, 2000], dict(sliding_window=200)),
+    (8, 1, 128, 16, torch.bfloat16, [2100], [2100], dict(sinks=True)),
+    (16, 8, 256, 16, torch.bfloat16, [700, 33], [700, 1500], dict(softcap=50.0)),
+    (16, 8, 256, 16, torch.bfloat16, [1100], [1900], dict(sliding_window=40, softcap=30.0)),
+    (64, 8, 64, 16, torch.bfloat16, [600, 130], [600, 900], dict(sliding_window=128, sinks=True)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "case",
+    WS_PREFILL_FP8_CASES,
+    ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])),
+)
+def test_ws_prefill_fp8_cache_matches_reference(case):
+    """An fp8 e4m3 cache in the warp-specialized prefill kernel (fp8 ring slots, each compute
+    warpgroup converting half of every tile into the shared staging buffers; per-tensor
+    scales), head sizes 64 / 128 / 256 with options, at its tile for the head size: against
+    the reference, then repeated launches bit-identical (a staging race would show there)."""
+    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, options = case
     batch = make_batch(
         q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
-        q_dtype=q_dtype, kv_dtype=kv_dtype, layout=layout, seed=5,
+        q_dtype=q_dtype, kv_dtype=torch.float8_e4m3fn, seed=sum(seq_lens) + D + 1,
     )  # fmt: skip
-    ws = workspace(case[0], case[2])
+    options = dict(options)
+    if options.pop("sinks", False):
+        gen = torch.Generator().manual_seed(D)
+        options["sinks"] = (torch.randn(Hq, generator=gen) * 2.0).to(DEVICE)
+    ws = workspace(Hq, D)
+    block_m, block_n, warps, slots = attn.prefill_ws_tile(D)
+    plan = ws_plan(batch, ws, block_m=block_m, block_n=block_n, num_warps=warps,
+                   num_stages=slots)  # fmt: skip
+    assert_repeats_agree(batch, ws, plan, times=5, **options)
+
+
+def test_ws_plan_refused_where_the_kernel_cannot_run():
+    """A plan naming the warp-specialized kernel for a batch it cannot run raises, naming what
+    it supports (on the CPU: every batch; on a GPU: head size 96)."""
+    Hq, Hkv, D = 4, 4, 96 if HOPPER else 64
+    batch = make_batch(
+        [257, 129], [257, 700], num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=64,
+        seed=5,
+    )  # fmt: skip
+    ws = workspace(Hq, D)
     plan = ws_plan(batch, ws)
     with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
         run_case(batch, workspace=ws, plan=plan)
 
 
 def test_ws_supports_only_its_configurations():
-    """`prefill_ws.supports`: a q-dtype cache at head sizes 64 / 128 / 256 on sm_90, with any
-    option; CPU tensors, other head sizes, fp8 or mixed-dtype caches never."""
+    """`prefill_ws.supports`: a q-dtype or fp8 e4m3 cache at head sizes 64 / 128 / 256 on
+    sm_90, with any option; CPU tensors, other head sizes, mixed-dtype caches never."""
     q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
     base = dict(sliding_window=0, softcap=0.0, has_sinks=False)
@@ -210,9 +246,9 @@ def test_ws_supports_only_its_configurations():
             kd = torch.empty(3, 16, 2, d, dtype=torch.bfloat16, device=DEVICE)
             assert prefill_ws.supports(qd, kd, kd, **every)
         assert not prefill_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96], **base)
-        assert not prefill_ws.supports(
-            qg, kg.to(torch.float8_e4m3fn), kg.to(torch.float8_e4m3fn), **base
-        )
+        k8 = kg.to(torch.float8_e4m3fn)
+        assert prefill_ws.supports(qg, k8, k8, **base)
+        assert not prefill_ws.supports(qg, k8, kg, **base)
         assert not prefill_ws.supports(qg.half(), kg, kg, **base)
 
 
@@ -262,6 +298,10 @@ def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv):
     d64 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True,
                            **dict(kw, head_size=64))  # fmt: skip
     assert d64.prefill is not None and not d64.prefill.warp_specialized
+    # An fp8 cache (not timed on the Hopper kernel) keeps the Triton kernel.
+    fp8 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True, kv_bytes=1,
+                           **dict(kw, head_size=128))  # fmt: skip
+    assert fp8.prefill is not None and not fp8.prefill.warp_specialized
 
 
 def test_cpu_calls_never_plan_the_ws_kernel(monkeypatch):

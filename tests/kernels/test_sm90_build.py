@@ -103,12 +103,14 @@ def _decode_ws_shared(kv, head, tile, slots, window, softcap, sinks, split) -> i
 
 # Hopper's prefill kernel: (head size, window, soft cap, sinks), each at its tile for the head.
 PREFILL_WS_VARIANTS = [
-    (128, 4096, False, True),  # window and sinks (Mistral-like, gpt-oss-like)
-    (256, 4096, True, True),  # head size 256, every option at once (Gemma 2 and more)
+    (128, 4096, False, True, "bf16"),  # window and sinks (Mistral-like, gpt-oss-like)
+    (256, 4096, True, True, "bf16"),  # head size 256, every option at once (Gemma 2 and more)
+    (128, 0, False, False, "fp8e4nv"),  # fp8 staging, two staging buffers
+    (256, 4096, True, True, "fp8e4nv"),  # fp8 at head size 256 (one staging buffer), options
 ]
 
 
-def _prefill_ws_shared(head, window, softcap, sinks) -> int:
+def _prefill_ws_shared(head, window, softcap, sinks, kv) -> int:
     """Shared memory of one variant of Hopper's prefill kernel, built through ptxas."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -116,13 +118,16 @@ def _prefill_ws_shared(head, window, softcap, sinks) -> int:
 
     block_m, block_n, warps, slots = plan.prefill_ws_tile(head)
     group = 4 if head == 128 else 2
+    kv_bytes = 1 if kv == "fp8e4nv" else 2
     compute_regs, load_regs = prefill_ws.WS_REGISTERS[head]
     constants = dict(
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=head,
         PAGE=16, MIN_Q=8, NUM_BUF=slots, HEAD_FAST=True, SLIDING_WINDOW=window,
-        USE_SOFTCAP=softcap, USE_SINKS=sinks, COMPUTE_REGS=compute_regs, LOAD_REGS=load_regs,
+        USE_SOFTCAP=softcap, USE_SINKS=sinks, KV_FP8=kv_bytes == 1, KV_VEC=16 // kv_bytes,
+        STAGE_BUF=max(1, plan.prefill_ws_stage_buffers(head, kv_bytes)),
+        COMPUTE_REGS=compute_regs, LOAD_REGS=load_regs,
     )  # fmt: skip
-    kernel = _compile(prefill_ws._prefill_ws_kernel, GluonASTSource, constants, "bf16",
+    kernel = _compile(prefill_ws._prefill_ws_kernel, GluonASTSource, constants, kv,
                       dict(num_warps=warps))  # fmt: skip
     assert kernel.asm["cubin"]
     return kernel.metadata.shared
@@ -179,13 +184,13 @@ def test_hopper_decode_kernel_builds(builds, index):
 @pytest.mark.skipif(gluon_hopper_missing() is not None, reason="no Gluon Hopper API")
 @pytest.mark.parametrize("index", range(len(PREFILL_WS_VARIANTS)))
 def test_hopper_prefill_kernel_builds(builds, index):
-    """Hopper's warp-specialized prefill kernel with its options, at head sizes 128 and 256,
-    through ptxas; its shared memory as `plan.prefill_ws_smem_bytes` counts it (plus
+    """Hopper's warp-specialized prefill kernel with its options and caches, at head sizes 128
+    and 256, through ptxas; its shared memory as `plan.prefill_ws_smem_bytes` counts it (plus
     barriers), within the block's limit."""
     from fuselane.kernels.attention import plan
 
-    head = PREFILL_WS_VARIANTS[index][0]
+    head, *_, kv = PREFILL_WS_VARIANTS[index]
     block_m, block_n, _, slots = plan.prefill_ws_tile(head)
-    counted = plan.prefill_ws_smem_bytes(block_m, block_n, head, slots)
+    counted = plan.prefill_ws_smem_bytes(block_m, block_n, head, slots, 1 if kv == "fp8e4nv" else 2)
     assert counted <= builds["prefill_ws_shared"][index] <= counted + 1024
     assert builds["prefill_ws_shared"][index] <= plan.SMEM_PER_BLOCK_MAX
