@@ -245,6 +245,26 @@ def nan_like(q: torch.Tensor) -> torch.Tensor:
     return torch.full_like(q, float("nan"))
 
 
+def checked_point(fn: Callable[[], object], out: torch.Tensor, expected: Expected) -> dict:
+    """A sweep point: `fn` run once and `out` checked against `expected`, then, if it matched,
+    `fn` timed (CUDA-graph replay median). Returns the point's ok, detail and, when timed,
+    timing and us (µs per call); a point that cannot run is recorded with its error as the
+    detail."""
+    from fuselane.benchmarks.kernels.suite import time_call  # the suite imports the families
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        ok, detail = expected.check(out)
+    except Exception as e:  # noqa: BLE001 - a point that cannot run is recorded
+        ok, detail = False, repr(e)[:300]
+    point: dict = {"ok": ok, "detail": detail}
+    if ok:
+        ms, point["timing"] = time_call(fn, interpret=False)
+        point["us"] = round(ms * 1e3, 2)
+    return point
+
+
 def decode_bytes(p: Problem, window: int | None = None) -> int:
     """Bytes a decode call over `p` moves: the K and V rows it reads (the last `window` keys of
     each sequence at most), q and out."""

@@ -35,7 +35,6 @@ from fuselane.benchmarks.kernels import attention_workload as aw
 from fuselane.benchmarks.kernels.grid import MODELS, RAGGED_DISTS, decode_context
 from fuselane.benchmarks.kernels.grid import _budget_tokens as budget_tokens_of_grid
 from fuselane.benchmarks.kernels.impls import generator
-from fuselane.benchmarks.kernels.suite import time_call
 from fuselane.kernels import attention as attn
 from fuselane.kernels._launch import next_pow2
 
@@ -131,17 +130,9 @@ def run_case(model: str, batch: int, ctx: int | str, kv: str, budget_end: float,
         def fn(plan=plan, out=out):
             attn.run._run(q, kc, vc, out, batch_, options, ws, plan=plan)
 
-        try:
-            fn()
-            torch.cuda.synchronize()
-            ok, detail = expected.check(out)
-        except Exception as e:  # noqa: BLE001 - a point that cannot run is recorded
-            ok, detail = False, repr(e)[:300]
-        point.update(ok=ok, detail=detail)
-        if ok:
-            ms, point["timing"] = time_call(fn, interpret=False)
-            point["us"] = round(ms * 1e3, 2)
-            point["TBps"] = round(nbytes / (ms * 1e-3) / 1e12, 3)
+        point.update(aw.checked_point(fn, out, expected))
+        if "us" in point:
+            point["TBps"] = round(nbytes / (point["us"] * 1e-6) / 1e12, 3)
         points.append(point)
     timed = [pt for pt in points if pt.get("us") is not None and pt["label"] != "rule"]
     best = min(timed, key=lambda pt: pt["us"], default=None)

@@ -33,7 +33,6 @@ from fuselane.benchmarks.kernels import attention_workload as aw
 from fuselane.benchmarks.kernels.attention_cases import visible_pairs
 from fuselane.benchmarks.kernels.grid import MODELS
 from fuselane.benchmarks.kernels.impls import generator
-from fuselane.benchmarks.kernels.suite import time_call
 from fuselane.kernels import attention as attn
 from fuselane.kernels.attention import prefill_ws
 
@@ -121,17 +120,9 @@ def run_case(
         def fn(plan=plan, out=out):
             attn.run._run(q, kc, vc, out, batch, aopts, ws, plan=plan)
 
-        try:
-            fn()
-            torch.cuda.synchronize()
-            ok, detail = expected.check(out)
-        except Exception as e:  # noqa: BLE001 - a point that cannot run is recorded
-            ok, detail = False, repr(e)[:300]
-        point.update(ok=ok, detail=detail)
-        if ok:
-            ms, point["timing"] = time_call(fn, interpret=False)
-            point["us"] = round(ms * 1e3, 2)
-            point["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
+        point.update(aw.checked_point(fn, out, expected))
+        if "us" in point:
+            point["TFLOPs"] = round(flops / (point["us"] * 1e-6) / 1e12, 1)
         prefill_ws.WS_REGISTERS.clear()
         prefill_ws.WS_REGISTERS.update(saved)
         points.append(point)

@@ -161,10 +161,18 @@ def test_ws_prefill_options_match_reference(case):
     """Sliding window, soft cap and sinks, head sizes 64 / 128 / 256, in the warp-specialized
     prefill kernel at its tile for the head size: against the reference, then repeated
     launches bit-identical."""
+    run_ws_prefill_option_case(case, kv_dtype=None)
+
+
+def run_ws_prefill_option_case(case: tuple, kv_dtype: torch.dtype | None) -> None:
+    """One (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options) case on a cache of q's dtype
+    or `kv_dtype`, at the warp-specialized prefill kernel's tile for the head size (options'
+    `sinks=True`: random per-head sinks): against the reference, then 5 repeats
+    bit-identical."""
     Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, options = case
     batch = make_batch(
         q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
-        q_dtype=q_dtype, seed=sum(seq_lens) + D,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, seed=sum(seq_lens) + D + (kv_dtype is not None),
     )  # fmt: skip
     options = dict(options)
     if options.pop("sinks", False):
@@ -199,20 +207,7 @@ def test_ws_prefill_fp8_cache_matches_reference(case):
     warpgroup converting half of every tile into the shared staging buffers; per-tensor
     scales), head sizes 64 / 128 / 256 with options, at its tile for the head size: against
     the reference, then repeated launches bit-identical (a staging race would show there)."""
-    Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, options = case
-    batch = make_batch(
-        q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
-        q_dtype=q_dtype, kv_dtype=torch.float8_e4m3fn, seed=sum(seq_lens) + D + 1,
-    )  # fmt: skip
-    options = dict(options)
-    if options.pop("sinks", False):
-        gen = torch.Generator().manual_seed(D)
-        options["sinks"] = (torch.randn(Hq, generator=gen) * 2.0).to(DEVICE)
-    ws = workspace(Hq, D)
-    block_m, block_n, warps, slots = attn.prefill_ws_tile(D)
-    plan = ws_plan(batch, ws, block_m=block_m, block_n=block_n, num_warps=warps,
-                   num_stages=slots)  # fmt: skip
-    assert_repeats_agree(batch, ws, plan, times=5, **options)
+    run_ws_prefill_option_case(case, kv_dtype=torch.float8_e4m3fn)
 
 
 def test_ws_plan_refused_where_the_kernel_cannot_run():
