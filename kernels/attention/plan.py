@@ -245,17 +245,17 @@ PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
 # Llama-3-8B with sinks 10% faster at 4k and 16k: ...-mistral-7b-*.json,
 # ...-llama-3-8b-sinks.json).
 WS_RULE_HEAD_SIZES = (128, 256)
-# An fp8 cache keeps the Triton prefill kernel: Hopper's kernel takes one (`prefill_ws`, each
-# tile converted through registers into staging buffers) but is not timed against it yet.
 # Launches of fewer programs of its tile (every sequence as long as the longest query) than this
 # fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200:
 # Llama-3-8B at 8-64 programs (S <= 512; a 9-256-token chunk after 4096 cached tokens), one kv
 # head (Llama-3-70B TP8) at 32-64 (S <= 2048: 35.8 against 40.8 µs at 1024), Gemma-2-9B at
-# 16-64 (S <= 512). From 112-128 programs on the Hopper kernel is faster: S = 1024 1.13-1.23x
+# 32-64 (S <= 512). From 112-128 programs on the Hopper kernel is faster: S = 1024 1.13-1.23x
 # (Llama-3-8B 48.9 -> 42.0 µs; Gemma-2-9B 60.3 -> 52.3), the 1024-token chunk 216 -> 172 µs
 # (prefill-ws-sweep-nvidia-h200-2026-11-27-{llama-3-8b-plain*,llama-3-70b-tp8-plain,
 # gemma-2-9b-softcap50-short,qwen-2.5-7b-plain}.json).
 PREFILL_WS_MIN_FILL = 0.75
+# An fp8 cache keeps the Triton prefill kernel: Hopper's kernel takes one (`prefill_ws`, each
+# tile converted through registers into staging buffers) but is not timed against it yet.
 
 
 def prefill_ws_tile(head_size: int) -> tuple[int, int, int, int]:
