@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,44 @@ def sampler_hook_available() -> bool:
         return importlib.util.find_spec("fuselane.plugin.sampler_hook") is not None
     except (ImportError, ValueError):
         return False
+
+
+def triton_top_k_top_p_rows(source: str) -> int | None:
+    """From the source of vLLM's sampler ops (vllm/v1/sample/ops/topk_topp_sampler.py): the
+    batch size from which `apply_top_k_top_p` masks top-k / top-p with vLLM's Triton kernel
+    rather than a torch sort, where Triton is there (0.26: 8 rows; 0.32 / 0.33: every batch,
+    1); None where the source says neither."""
+    body = source.split("def apply_top_k_top_p(", 1)[-1].split("\ndef ", 1)[0]
+    m = re.search(r"HAS_TRITON and logits\.shape\[0\]\s*>=\s*(\d+)", body)
+    if m:
+        return int(m.group(1))
+    if re.search(r"if HAS_TRITON:\s*\n\s*return apply_top_k_top_p_triton\(", body):
+        return 1
+    return None
+
+
+def stock_sampler() -> dict[str, Any]:
+    """What vLLM's own sampler runs in the stock arms on this install, read from the installed
+    vLLM's sources (not imported) and the arms' environment. Both runners mask top-k / top-p
+    with `apply_top_k_top_p`: vLLM's Triton kernel from `triton_from_rows` rows on (Triton is
+    there on a GPU), a torch sort below. The V1 runner then draws in
+    `TopKTopPSampler.forward_native` (softmax, exponential noise from torch generators;
+    FlashInfer's sampler only with VLLM_USE_FLASHINFER_SAMPLER=1, which the arms set to 0),
+    the V2 runner with its Gumbel kernel (vllm/v1/worker/gpu/sample/gumbel.py)."""
+    flashinfer = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0") == "1"
+    out: dict[str, Any] = {"flashinfer_sampler": flashinfer}
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        out["error"] = "vllm is not installed"
+        return out
+    root = Path(next(iter(spec.submodule_search_locations)))
+    ops = root / "v1" / "sample" / "ops" / "topk_topp_sampler.py"
+    out["triton_from_rows"] = triton_top_k_top_p_rows(ops.read_text()) if ops.exists() else None
+    out["v1"] = "TopKTopPSampler." + (
+        "forward_cuda (FlashInfer)" if flashinfer else "forward_native"
+    )
+    out["v2_gumbel"] = (root / "v1" / "worker" / "gpu" / "sample" / "gumbel.py").exists()
+    return out
 
 
 def make_arms(names: Sequence[str] | None = None, with_all: bool | None = None) -> list[Arm]:

@@ -27,6 +27,7 @@ from arms import (
     make_arms,
     reference_of,
     sampler_hook_available,
+    stock_sampler,
     v1_runner_arms,
 )
 from correctness import (
@@ -126,6 +127,7 @@ def new_report(args: argparse.Namespace) -> dict[str, Any]:
         "versions": versions(),
         "fuselane_entry_point": fuselane_entry_point(),
         "sampler_hook": sampler_hook_available(),
+        "stock_sampler": stock_sampler(),
         "quick": bool(args.quick),
         "tensor_parallel_size": args.tensor_parallel_size,
         "telemetry": bool(args.telemetry),

