@@ -406,10 +406,7 @@ def _stats(cfg: dict, layer: dict, ws) -> dict:
              "kv_tokens": sum(cfg["seq_lens"])}  # fmt: skip
     q, key_cache, value_cache = layer["q"], layer["key_cache"], layer["value_cache"]
     if sum(cfg["q_lens"]):  # the plan `_run` makes (the same inputs to `plan_launch`)
-        hopper = attn.warp_specialized_ok(
-            q, key_cache, value_cache, sliding_window=cfg["window"] or 0,
-            softcap=cfg["softcap"], has_sinks=cfg["sinks"],
-        )  # fmt: skip
+        hopper = attn.warp_specialized_ok(q, key_cache, value_cache)
         plan = attn.plan_launch(
             num_seqs=len(cfg["seq_lens"]), num_q_heads=q.shape[1],
             num_kv_heads=key_cache.shape[2], head_size=q.shape[2],

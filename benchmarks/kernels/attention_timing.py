@@ -197,9 +197,7 @@ def fuselane_fn(
 def default_plan(p: Problem, run: Runner, warp_specialized: bool | None = None) -> attn.LaunchPlan:
     """The launch rule's plan for `p` (warp_specialized: None = as `paged_attention` decides)."""
     if warp_specialized is None:
-        warp_specialized = attn.warp_specialized_ok(
-            p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
-        )
+        warp_specialized = attn.warp_specialized_ok(p.q, p.key_cache, p.value_cache)
     return attn.plan_launch(
         num_seqs=len(p.lens),
         num_q_heads=p.q.shape[1],

@@ -161,9 +161,7 @@ def bench_attention_case(case: str, p, workspace, peers, add, add_part) -> None:
         max_query_len=max(p.q_lens),
         sms=attn.sm_count(p.q.device),
         workspace=workspace,
-        warp_specialized=attn.warp_specialized_ok(
-            p.q, p.key_cache, p.value_cache, sliding_window=0, softcap=0.0, has_sinks=False
-        ),
+        warp_specialized=attn.warp_specialized_ok(p.q, p.key_cache, p.value_cache),
     )
     add_part(case, "fuselane:plan", lambda: attn.plan_launch(**plan_args))
     if peers.vllm is not None:

@@ -195,12 +195,9 @@ def _refuse_unrunnable_ws(
             f"(query_len 1) on sm_90 GPUs{off}, fp16/bf16 with a cache of the same dtype or fp8 "
             f"e4m3, head sizes {hopper.DECODE_WS_HEAD_SIZES}; {got}"
         )
-    prefill_ok = hopper.warp_specialized_ok(
-        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
-        has_sinks=has_sinks,
-    )  # fmt: skip
-    if ws_prefill and not prefill_ok:
+    if ws_prefill and not hopper.warp_specialized_ok(q, key_cache, value_cache):
         raise ValueError(
             f"paged_attention: the warp-specialized prefill kernel runs sm_90 GPUs{off}, "
-            f"fp16/bf16 with a cache of the same dtype, head sizes {hopper.WS_HEAD_SIZES}; {got}"
+            f"fp16/bf16 with a cache of the same dtype or fp8 e4m3, head sizes "
+            f"{hopper.WS_HEAD_SIZES}; {got}"
         )

@@ -48,21 +48,12 @@ def enable_hopper_kernels() -> None:
 
 
 def warp_specialized_ok(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    sliding_window: int,
-    softcap: float,
-    has_sinks: bool,
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> bool:
-    """Whether Hopper's warp-specialized prefill kernel can run a call with these tensors and
-    options (`prefill_ws.supports`; False while `hopper_kernels_off`); the decode kernel's
-    answer is `decode_warp_specialized_ok`."""
-    return _hopper_off is None and prefill_ws.supports(
-        q, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap,
-        has_sinks=has_sinks,
-    )  # fmt: skip
+    """Whether Hopper's warp-specialized prefill kernel can run a call with these tensors, with
+    any window, soft cap or sinks (`prefill_ws.supports`; False while `hopper_kernels_off`);
+    the decode kernel's answer is `decode_warp_specialized_ok`."""
+    return _hopper_off is None and prefill_ws.supports(q, key_cache, value_cache)
 
 
 def decode_warp_specialized_ok(

@@ -111,19 +111,10 @@ def tensors_supported(
     )
 
 
-def supports(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    sliding_window: int,
-    softcap: float,
-    has_sinks: bool,
-) -> bool:
-    """Whether this prefill kernel can run a call with these tensors and options: a cache of
-    q's dtype or fp8 e4m3, head size 64, 128 or 256, any sliding window, soft cap or sinks (the
-    options are taken so that the answer stays the caller's to ask per call)."""
-    del sliding_window, softcap, has_sinks  # every option runs (module docstring)
+def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether this prefill kernel can run a call with these tensors, with any sliding window,
+    soft cap or sinks (`tensors_supported`): a cache of q's dtype or fp8 e4m3, head size 64,
+    128 or 256."""
     return tensors_supported(q, key_cache, value_cache, (q.dtype, FP8_E4M3), WS_HEAD_SIZES)
 
 

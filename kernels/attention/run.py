@@ -53,7 +53,7 @@ def warm_up(
         num_q_heads=num_q_heads, num_kv_heads=key_cache.shape[2], head_size=head_size,
         sms=sm_count(device), workspace=workspace, kv_bytes=key_cache.element_size(),
         max_smem=smem_per_block(device),
-        warp_specialized=_warp_specialized_ok(probe, key_cache, value_cache, options),
+        warp_specialized=warp_specialized_ok(probe, key_cache, value_cache),
         decode_warp_specialized=decode_warp_specialized_ok(probe, key_cache, value_cache),
     )  # fmt: skip
     for plan in plans:
@@ -76,18 +76,6 @@ def warm_up(
                 q_dtype=q_dtype, options=options, workspace=workspace,
             )  # fmt: skip
     return len(plans)
-
-
-def _warp_specialized_ok(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    options: AttentionOptions,
-) -> bool:
-    return warp_specialized_ok(
-        q, key_cache, value_cache, sliding_window=options.window,
-        softcap=float(options.softcap), has_sinks=options.sinks is not None,
-    )  # fmt: skip
 
 
 def _uses_hopper_kernels(plan: LaunchPlan) -> bool:
@@ -137,8 +125,7 @@ def _run(
             workspace=workspace,
             kv_bytes=key_cache.element_size(),
             max_smem=smem_per_block(q.device),
-            warp_specialized=not one_position
-            and _warp_specialized_ok(q, key_cache, value_cache, options),
+            warp_specialized=not one_position and warp_specialized_ok(q, key_cache, value_cache),
             decode_warp_specialized=one_position
             and decode_warp_specialized_ok(q, key_cache, value_cache),
         )

@@ -225,26 +225,23 @@ def test_ws_plan_refused_where_the_kernel_cannot_run():
 
 
 def test_ws_supports_only_its_configurations():
-    """`prefill_ws.supports`: a q-dtype or fp8 e4m3 cache at head sizes 64 / 128 / 256 on
-    sm_90, with any option; CPU tensors, other head sizes, mixed-dtype caches never."""
+    """`prefill_ws.supports` (any option runs): a q-dtype or fp8 e4m3 cache at head sizes
+    64 / 128 / 256 on sm_90; CPU tensors, other head sizes, mixed-dtype caches never."""
     q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     kc = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16)
-    base = dict(sliding_window=0, softcap=0.0, has_sinks=False)
-    assert not prefill_ws.supports(q, kc, kc, **base)  # a CPU tensor
+    assert not prefill_ws.supports(q, kc, kc)  # a CPU tensor
     if HOPPER:
         qg, kg = q.to(DEVICE), kc.to(DEVICE)
-        assert prefill_ws.supports(qg, kg, kg, **base)
-        every = dict(sliding_window=64, softcap=30.0, has_sinks=True)
-        assert prefill_ws.supports(qg, kg, kg, **every)
+        assert prefill_ws.supports(qg, kg, kg)
         for d in (64, 256):
             qd = torch.empty(4, 8, d, dtype=torch.bfloat16, device=DEVICE)
             kd = torch.empty(3, 16, 2, d, dtype=torch.bfloat16, device=DEVICE)
-            assert prefill_ws.supports(qd, kd, kd, **every)
-        assert not prefill_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96], **base)
+            assert prefill_ws.supports(qd, kd, kd)
+        assert not prefill_ws.supports(qg[..., :96], kg[..., :96], kg[..., :96])
         k8 = kg.to(torch.float8_e4m3fn)
-        assert prefill_ws.supports(qg, k8, k8, **base)
-        assert not prefill_ws.supports(qg, k8, kg, **base)
-        assert not prefill_ws.supports(qg.half(), kg, kg, **base)
+        assert prefill_ws.supports(qg, k8, k8)
+        assert not prefill_ws.supports(qg, k8, kg)
+        assert not prefill_ws.supports(qg.half(), kg, kg)
 
 
 def test_ws_flag_is_part_of_the_plan():
@@ -504,7 +501,7 @@ def test_without_gluon_the_triton_kernels_run(monkeypatch):
     case = WS_CASES[4]
     batch = ws_batch(case)
     args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
-    assert not attn.warp_specialized_ok(**args, sliding_window=0, softcap=0.0, has_sinks=False)
+    assert not attn.warp_specialized_ok(**args)
     ws = workspace(case[0], case[2])
     run_case(batch, workspace=ws)  # the rule's plan: Triton kernels
     with pytest.raises(ValueError, match="warp-specialized prefill kernel runs sm_90"):
@@ -519,11 +516,10 @@ def test_the_operator_switch_keeps_the_triton_kernels(monkeypatch):
     case = (4, 2, 64, 16, torch.bfloat16, [33, 1], [40, 17], "nhd")
     batch = ws_batch(case)
     args = {k: batch[k] for k in ("q", "key_cache", "value_cache")}
-    options = dict(sliding_window=0, softcap=0.0, has_sinks=False)
-    assert attn.warp_specialized_ok(**args, **options) is HOPPER  # on where they apply
+    assert attn.warp_specialized_ok(**args) is HOPPER  # on where they apply
     monkeypatch.setattr(attn.hopper, "_hopper_off", attn.hopper_kernels_off())  # undone after
     attn.disable_hopper_kernels("FUSELANE_HOPPER_KERNELS=0")
-    assert not attn.warp_specialized_ok(**args, **options)
+    assert not attn.warp_specialized_ok(**args)
     ws = workspace(case[0], case[2])
     run_case(batch, workspace=ws)  # the rule's plan: Triton kernels, checked against the reference
     with pytest.raises(ValueError, match=r"off in this process: FUSELANE_HOPPER_KERNELS=0"):
