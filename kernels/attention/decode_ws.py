@@ -31,7 +31,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .._checks import FP8_E4M3
 from .._launch import launch, next_pow2
@@ -43,6 +43,7 @@ from .prefill_ws import (
     _attend_slot,
     _copy_kv_tile,
     _kv_tile_ptrs,
+    _stage_fp8_tile,
     tensors_supported,
 )
 
@@ -137,24 +138,6 @@ def _decode_load_partition(
             n_ok = (offs_n >= kv_lo) & (offs_n < seq_len)  # past the end: NaN is possible
             _copy_kv_tile(k_smem.index(slot), v_smem.index(slot), k_ptrs, v_ptrs, n_ok, True)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-
-
-@gluon.jit
-def _stage_fp8_tile(k_slot, v_slot, k_stage, v_stage, empty_bar, HEAD: gl.constexpr):
-    """An fp8 ring slot's K and V converted into the staging tiles (q's dtype): both loaded into
-    registers, then (every compute warp past that point, and past its reads of the staging
-    tiles in the previous step) the slot released to the loader and the tiles written, fenced
-    for the tensor cores and made visible to every compute warp."""
-    TPR: gl.constexpr = HEAD // 16
-    cvt: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
-    k8 = k_slot.load(cvt)
-    v8 = v_slot.load(cvt)
-    cta_barrier()
-    mbarrier.arrive(empty_bar)
-    k_stage.store(k8.to(k_stage.dtype))
-    v_stage.store(v8.to(v_stage.dtype))
-    fence_async_shared()
-    cta_barrier()
 
 
 @gluon.jit

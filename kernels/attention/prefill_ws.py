@@ -289,26 +289,38 @@ def _attend_slot(q_rows, k_tile, v_tile, acc, m_i, l_i, c, s_zero, keep, MASKED:
 
 
 @gluon.jit
-def _stage_fp8_half(k_slot, v_slot, k_stage, v_stage, empty_bar, staged_bar, freed_bar, use,
-                    HALF0: gl.constexpr, HALF: gl.constexpr, HEAD: gl.constexpr):  # fmt: skip
-    """This warpgroup's half of an fp8 ring slot (rows [HALF0, HALF0 + HALF) of K and V)
-    converted into a staging buffer (q's dtype) that both compute warpgroups then read: wait
-    until both have finished reading the buffer's previous tile (`freed_bar`, use - 1), load
-    and convert the half, release the ring slot (`empty_bar`: every thread's loads are done),
-    write the half, fence it for the tensor cores, arrive at `staged_bar` and wait for the
-    other warpgroup's half (its `use`-th completion)."""
+def _stage_fp8_tile(k_slot, v_slot, k_stage, v_stage, empty_bar, HEAD: gl.constexpr):
+    """An fp8 ring slot's K and V (or the same rows of each) converted into staging tiles (q's
+    dtype): both loaded into registers, then (every warp of the calling warpgroup past that
+    point, and past its reads of the staging tiles in the previous step) the slot released to
+    the loader and the tiles written, fenced for the tensor cores and made visible to every
+    warp of the warpgroup. Hopper's decode kernel stages whole tiles, the prefill kernel's two
+    compute warpgroups half a tile each (`_stage_fp8_half`)."""
     TPR: gl.constexpr = HEAD // 16
     cvt: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
-    # The buffer's first use finds it free (parity 1 of a fresh barrier).
-    mbarrier.wait(freed_bar, (use & 1) ^ 1)
-    k = k_slot.slice(HALF0, HALF, dim=0).load(cvt).to(k_stage.dtype)
-    v = v_slot.slice(HALF0, HALF, dim=0).load(cvt).to(v_stage.dtype)
+    k8 = k_slot.load(cvt)
+    v8 = v_slot.load(cvt)
     cta_barrier()
     mbarrier.arrive(empty_bar)
-    k_stage.slice(HALF0, HALF, dim=0).store(k)
-    v_stage.slice(HALF0, HALF, dim=0).store(v)
+    k_stage.store(k8.to(k_stage.dtype))
+    v_stage.store(v8.to(v_stage.dtype))
     fence_async_shared()
     cta_barrier()
+
+
+@gluon.jit
+def _stage_fp8_half(k_slot, v_slot, k_stage, v_stage, empty_bar, staged_bar, freed_bar, use,
+                    HALF0: gl.constexpr, HALF: gl.constexpr, HEAD: gl.constexpr):  # fmt: skip
+    """This warpgroup's half of an fp8 ring slot (rows [HALF0, HALF0 + HALF) of K and V) staged
+    (`_stage_fp8_tile`) into a buffer both compute warpgroups then read: first wait until both
+    have finished reading the buffer's previous tile (`freed_bar`, use - 1); last arrive at
+    `staged_bar` and wait for the other warpgroup's half (its `use`-th completion). The ring
+    slot (`empty_bar`, two arrivals) is free once both halves are loaded."""
+    # The buffer's first use finds it free (parity 1 of a fresh barrier).
+    mbarrier.wait(freed_bar, (use & 1) ^ 1)
+    _stage_fp8_tile(k_slot.slice(HALF0, HALF, dim=0), v_slot.slice(HALF0, HALF, dim=0),
+                    k_stage.slice(HALF0, HALF, dim=0), v_stage.slice(HALF0, HALF, dim=0),
+                    empty_bar, HEAD)  # fmt: skip
     mbarrier.arrive(staged_bar)
     mbarrier.wait(staged_bar, use & 1)
 
