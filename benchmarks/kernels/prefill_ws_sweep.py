@@ -104,7 +104,8 @@ def run_case(
     flops = 4.0 * m.num_q_heads * m.head_size * visible_pairs(seq, prefix + seq, window)
     points = []
     saved = dict(prefill_ws.WS_REGISTERS)
-    for label, regs, plan in plans_for(p, ws, small_tile):
+    plans = plans_for(p, ws, small_tile)
+    for label, regs, plan in plans:
         if time.monotonic() > budget_end:
             break
         pre = plan.prefill
@@ -129,7 +130,7 @@ def run_case(
     line = " ".join(f"{pt['label']}={pt.get('us', 'FAIL')}" for pt in points)
     print(f"{model:16s} S={seq:<6d} prefix={prefix:<6d} kv={kv:4s} {_tag(options):24s} {line}",
           flush=True)  # fmt: skip
-    rule = plans_for(p, ws)[0][2].prefill
+    rule = plans[0][2].prefill  # the first point is the rule's plan
     return {
         "model": model,
         "seq": seq,
