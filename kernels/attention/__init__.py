@@ -33,10 +33,12 @@ shape stays valid for any sequence lengths replayed into it):
 
 On Hopper (sm_90), where the call's dtypes, alignment and options allow it
 (`hopper.warp_specialized_ok`), two of those launches are Gluon kernels with warp-specialized
-loader and compute warpgroups instead: prefill launches of at least `PREFILL_WS_MIN_FILL` x SMs
-programs of its tile (`prefill_ws`) and a decode-only batch of one sequence with at least
-`DECODE_WS_MIN_SPLITS` splits (`decode_ws`). The choice depends on shapes and
-static properties only, like the rest of the plan.
+loader and compute warpgroups instead: prefill launches (`prefill_ws`; at head size <= 128 its
+128-row tile where the 256-row one would fill at most one wave, otherwise from
+`PREFILL_WS_MIN_FILL` x SMs programs of its tile on, `PREFILL_WS_MIN_FILL_FP8` for an fp8
+cache) and a decode-only batch of one sequence with at least `DECODE_WS_MIN_SPLITS` splits
+(`decode_ws`). The choice depends on shapes and static properties only, like the rest of the
+plan.
 
 `max_query_len` and `max_seq_len` only pick the path: every path is exact for any query
 lengths (the decode kernel walks longer queries in chunks), and `max_seq_len` is not used at
@@ -98,6 +100,8 @@ from .plan import (
     PREFILL_STAGE_FALLBACKS,
     PREFILL_TILES,
     PREFILL_WS_MIN_FILL,
+    PREFILL_WS_MIN_FILL_FP8,
+    PREFILL_WS_SMALL_ROWS,
     PREFILL_WS_TILE,
     PREFILL_WS_TILE_D256,
     PROGRAM_OVERHEAD,
@@ -175,6 +179,8 @@ __all__ = [
     "PREFILL_STAGE_FALLBACKS",
     "PREFILL_TILES",
     "PREFILL_WS_MIN_FILL",
+    "PREFILL_WS_MIN_FILL_FP8",
+    "PREFILL_WS_SMALL_ROWS",
     "PREFILL_WS_TILE",
     "PREFILL_WS_TILE_D256",
     "PROGRAM_OVERHEAD",

@@ -246,16 +246,32 @@ PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
 # ...-llama-3-8b-sinks.json).
 WS_RULE_HEAD_SIZES = (128, 256)
 # Launches of fewer programs of its tile (every sequence as long as the longest query) than this
-# fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200:
-# Llama-3-8B at 8-64 programs (S <= 512; a 9-256-token chunk after 4096 cached tokens), one kv
-# head (Llama-3-70B TP8) at 32-64 (S <= 2048: 35.8 against 40.8 µs at 1024), Gemma-2-9B at
-# 32-64 (S <= 512). From 112-128 programs on the Hopper kernel is faster: S = 1024 1.13-1.23x
-# (Llama-3-8B 48.9 -> 42.0 µs; Gemma-2-9B 60.3 -> 52.3), the 1024-token chunk 216 -> 172 µs
-# (prefill-ws-sweep-nvidia-h200-2026-11-27-{llama-3-8b-plain*,llama-3-70b-tp8-plain,
-# gemma-2-9b-softcap50-short,qwen-2.5-7b-plain}.json).
+# fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200
+# (Gemma-2-9B at 32-64 programs, S <= 512). From 112-128 programs on the Hopper kernel is faster:
+# Gemma-2-9B at S = 1024 60.3 -> 52.3 µs (prefill-ws-sweep-nvidia-h200-2026-11-27-
+# gemma-2-9b-softcap50-short.json). At head size <= 128 this applies to the 256-row tile only:
+# launches the 128-row tile takes (below) have no lower bound.
 PREFILL_WS_MIN_FILL = 0.75
-# An fp8 cache keeps the Triton prefill kernel: Hopper's kernel takes one (`prefill_ws`, each
-# tile converted through registers into staging buffers) but is not timed against it yet.
+# An fp8 cache: the Hopper kernel converts each K/V tile through registers into a staging
+# buffer, which costs it the advantage until about two waves of programs. Gemma-2-9B at S = 1024
+# (128 programs) 72.9 µs against the Triton kernel's 68.9, at 2048 (256) 144.7 against 228.6;
+# Llama-3-8B's 256-row tile at 2048 (256 programs) 114.7 against 113.1, at 4096 1.32x faster
+# (prefill-ws-sweep-nvidia-h200-2026-11-27-{llama-3-8b-plain-kvfp8*,gemma-2-9b-softcap50-kvfp8}
+# .json).
+PREFILL_WS_MIN_FILL_FP8 = 1.5
+# Head size <= 128, launches of at most one wave of the 256-row tile (programs <= SMs): the
+# 128-row tile (64 rows per compute warpgroup), twice the programs. A causal prefill's programs
+# differ in work (the last rows read every key), so one wave of large tiles waits for its
+# longest; twice as many halves that tail. On an H200, 1.24-1.55x the 256-row tile or the Triton
+# kernel, whichever the rule took before, at every measured point: Llama-3-8B S = 256 / 512 /
+# 1024 16.1 / 23.3 / 41.6 -> 12.1 / 17.1 / 33.6 µs, Qwen2.5-7B 19.7 / 27.3 / 44.2 -> 12.7 /
+# 17.6 / 32.6, Mistral-7B's window S = 512 / 1024 1.53 / 1.32x, Llama-3-70B at TP 8 (one kv head)
+# S = 256-4096 1.33-1.49x, chunks of 64-512 tokens after 4096 cached ones 1.39-1.58x, an fp8
+# cache S = 512 / 1024 26.1 / 52.5 -> 23.0 / 44.7. Past one wave it is slower (Llama-3-8B
+# S = 2048 102.5 against 86.3). One measured loss: a 1024-token chunk after 4096 cached tokens
+# (every program reads the prefix: no tail to halve) 191.8 against the 256-row tile's 169.4; the
+# rule sees no prefix (shapes only). (prefill-ws-sweep-nvidia-h200-2026-11-27-*-small-tile.json)
+PREFILL_WS_SMALL_ROWS = 128
 
 
 def prefill_ws_tile(head_size: int) -> tuple[int, int, int, int]:
@@ -291,8 +307,7 @@ def prefill_ws_config(
     """Hopper's prefill kernel's config for these heads (its tile for the head size, sequences
     of more than `min_q` query tokens), or None where it does not suit them: a query group
     larger than the tile, or a tile beyond `max_smem`. The rule takes it for WS_RULE_HEAD_SIZES
-    and launches of at least PREFILL_WS_MIN_FILL x SMs programs; the benchmarks time it
-    everywhere it suits."""
+    as `_prefill_ws_choice` says; the benchmarks time it everywhere it suits."""
     block_m, block_n, num_warps, slots = prefill_ws_tile(head_size)
     group = num_q_heads // num_kv_heads
     smem = prefill_ws_smem_bytes(block_m, block_n, head_size, slots, kv_bytes)
@@ -560,13 +575,34 @@ def _plan_launch(
             num_stages=num_stages,
             head_fast=PREFILL_HEAD_FAST,
         )
-        if warp_specialized and head_size in WS_RULE_HEAD_SIZES and kv_bytes == 2:
-            ws = prefill_ws_config(num_q_heads, num_kv_heads, head_size, qpos_cap, max_smem)
+        if warp_specialized and head_size in WS_RULE_HEAD_SIZES:
+            ws = prefill_ws_config(num_q_heads, num_kv_heads, head_size, qpos_cap, max_smem,
+                                   kv_bytes)  # fmt: skip
             if ws is not None:
-                ws_programs = num_seqs * num_kv_heads * cdiv(max_query_len * group, ws.block_m)
-                if ws_programs >= PREFILL_WS_MIN_FILL * sms:
-                    prefill = ws
+                prefill = _prefill_ws_choice(ws, prefill, num_seqs * num_kv_heads, group,
+                                             max_query_len, sms, kv_bytes)  # fmt: skip
     return LaunchPlan(decode=decode, prefill=prefill)
+
+
+def _prefill_ws_choice(
+    ws: PrefillConfig,
+    triton: PrefillConfig,
+    pairs: int,
+    group: int,
+    max_query_len: int,
+    sms: int,
+    kv_bytes: int,
+) -> PrefillConfig:
+    """The rule between Hopper's prefill kernel (`ws`, its tile for the head size) and the
+    Triton kernel's config for `pairs` (sequence, kv head) pairs, each counted as long as the
+    longest query: the 128-row tile where the 256-row one fills at most one wave
+    (PREFILL_WS_SMALL_ROWS), else the Hopper kernel from PREFILL_WS_MIN_FILL (fp8: _FP8) x SMs
+    programs on."""
+    programs = pairs * cdiv(max_query_len * group, ws.block_m)
+    if ws.block_m > PREFILL_WS_SMALL_ROWS >= group and programs <= sms:
+        return dataclasses.replace(ws, block_m=PREFILL_WS_SMALL_ROWS)
+    min_fill = PREFILL_WS_MIN_FILL if kv_bytes == 2 else PREFILL_WS_MIN_FILL_FP8
+    return ws if programs >= min_fill * sms else triton
 
 
 def _balanced_budget(

@@ -164,11 +164,13 @@ def test_ws_prefill_options_match_reference(case):
     run_ws_prefill_option_case(case, kv_dtype=None)
 
 
-def run_ws_prefill_option_case(case: tuple, kv_dtype: torch.dtype | None) -> None:
+def run_ws_prefill_option_case(
+    case: tuple, kv_dtype: torch.dtype | None, block_m: int | None = None
+) -> None:
     """One (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options) case on a cache of q's dtype
-    or `kv_dtype`, at the warp-specialized prefill kernel's tile for the head size (options'
-    `sinks=True`: random per-head sinks): against the reference, then 5 repeats
-    bit-identical."""
+    or `kv_dtype`, at the warp-specialized prefill kernel's tile for the head size (`block_m`:
+    with that many rows instead; options' `sinks=True`: random per-head sinks): against the
+    reference, then 5 repeats bit-identical."""
     Hq, Hkv, D, bs, q_dtype, q_lens, seq_lens, options = case
     batch = make_batch(
         q_lens, seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_size=D, block_size=bs,
@@ -179,10 +181,38 @@ def run_ws_prefill_option_case(case: tuple, kv_dtype: torch.dtype | None) -> Non
         gen = torch.Generator().manual_seed(D)
         options["sinks"] = (torch.randn(Hq, generator=gen) * 2.0).to(DEVICE)
     ws = workspace(Hq, D)
-    block_m, block_n, warps, slots = attn.prefill_ws_tile(D)
-    plan = ws_plan(batch, ws, block_m=block_m, block_n=block_n, num_warps=warps,
+    rows, block_n, warps, slots = attn.prefill_ws_tile(D)
+    plan = ws_plan(batch, ws, block_m=block_m or rows, block_n=block_n, num_warps=warps,
                    num_stages=slots)  # fmt: skip
     assert_repeats_agree(batch, ws, plan, times=5, **options)
+
+
+_BF16, _FP16, _FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+WS_PREFILL_SMALL_TILE_CASES = [
+    # (case as above, KV cache dtype or None for q's): the 128-row tile the rule takes for
+    # launches of at most one wave of the 256-row one
+    (
+        (32, 8, 128, 16, _BF16, [700, 17, 1, 300], [700, 17, 1, 1300], dict(sliding_window=200)),
+        None,
+    ),
+    ((32, 8, 128, 32, _FP16, [300, 90], [1300, 2000], dict(sliding_window=40, sinks=True)), None),
+    ((8, 1, 128, 16, _BF16, [2100], [2100], dict(sinks=True)), _FP8),
+    ((28, 4, 128, 16, _BF16, [513, 64], [513, 4160], dict()), _FP8),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "case,kv_dtype",
+    WS_PREFILL_SMALL_TILE_CASES,
+    ids=lambda c: (f"Hq{c[0]}-Hkv{c[1]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])))
+    if isinstance(c, tuple) else str(c)[6:],
+)  # fmt: skip
+def test_ws_prefill_small_tile_matches_reference(case, kv_dtype):
+    """The warp-specialized prefill kernel's 128-row tile (64 rows per compute warpgroup), with
+    windows, sinks, a chunk after a cached prefix, a group of 7 and fp8 caches: against the
+    reference, then repeated launches bit-identical."""
+    run_ws_prefill_option_case(case, kv_dtype=kv_dtype, block_m=attn.PREFILL_WS_SMALL_ROWS)
 
 
 WS_PREFILL_FP8_CASES = [
@@ -255,27 +285,45 @@ def test_ws_flag_is_part_of_the_plan():
     assert dataclasses.replace(plan.prefill, warp_specialized=False) != plan.prefill
 
 
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16), (8, 1), (16, 8)])
-def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv):
-    """With the capability, prefill launches at head sizes 128 and 256 of at least
-    PREFILL_WS_MIN_FILL x SMs programs of its tile take the warp-specialized kernel at that
-    tile; fewer keep the Triton kernel; head size 64 (not timed) keeps the Triton kernel;
-    decode-only batches have no prefill launch."""
-    sms = 132
-    kw = dict(num_q_heads=hq, num_kv_heads=hkv, sms=sms, workspace=None)
+def _expected_prefill(num_seqs, hq, hkv, d, max_q, sms, kv_bytes):
+    """(warp-specialized, block_m) the prefill rule should give, written out from its three
+    parts: the 128-row tile up to one wave of the 256-row one (head size <= 128), else the
+    Hopper kernel from its fill threshold (bf16 / fp8) on."""
     group = hq // hkv
+    rows = attn.prefill_ws_tile(d)[0]
+    programs = num_seqs * hkv * -(-max_q * group // rows)
+    if rows > attn.PREFILL_WS_SMALL_ROWS >= group and programs <= sms:
+        return True, attn.PREFILL_WS_SMALL_ROWS
+    fill = attn.PREFILL_WS_MIN_FILL if kv_bytes == 2 else attn.PREFILL_WS_MIN_FILL_FP8
+    return programs >= fill * sms, rows
+
+
+@pytest.mark.parametrize("kv_bytes", [2, 1], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16), (8, 1), (16, 8), (28, 4)])
+def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv, kv_bytes):
+    """With the capability, prefill launches at head sizes 128 and 256 take the
+    warp-specialized kernel: at 128 its 128-row tile while the 256-row one fills at most one
+    wave of the SMs, beyond that the 256-row tile from PREFILL_WS_MIN_FILL (fp8:
+    PREFILL_WS_MIN_FILL_FP8) x SMs programs on; at 256 its one tile from that threshold on;
+    below it the Triton kernel; head size 64 (not timed) keeps the Triton kernel; decode-only
+    batches have no prefill launch."""
+    sms = 132
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, sms=sms, workspace=None, kv_bytes=kv_bytes)
     for d in attn.WS_RULE_HEAD_SIZES:
         kw["head_size"] = d
         tile = attn.prefill_ws_tile(d)
-        for num_seqs, max_q in ((2, 8192), (1, 512), (1, 2048), (6, 9), (64, 300)):
+        for num_seqs, max_q in ((2, 8192), (1, 512), (1, 1024), (1, 2048), (6, 9), (64, 300)):
             plan = attn.plan_launch(num_seqs=num_seqs, max_query_len=max_q,
                                     warp_specialized=True, **kw)  # fmt: skip
             got = plan.prefill
             assert got is not None
-            programs = num_seqs * hkv * -(-max_q * group // tile[0])
-            assert got.warp_specialized == (programs >= attn.PREFILL_WS_MIN_FILL * sms)
+            ws, block_m = _expected_prefill(num_seqs, hq, hkv, d, max_q, sms, kv_bytes)
+            assert got.warp_specialized == ws
             if got.warp_specialized:
-                assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == tile
+                assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == (
+                    block_m,
+                    *tile[1:],
+                )
             else:
                 triton = attn.plan_launch(num_seqs=num_seqs, max_query_len=max_q, **kw)
                 assert got == triton.prefill
@@ -286,14 +334,36 @@ def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv):
         assert plain.prefill is not None and not plain.prefill.warp_specialized
         plans = attn.reachable_plans(warp_specialized=True, **kw)
         assert any(p.prefill is not None and p.prefill.warp_specialized for p in plans)
-        assert any(p.prefill is not None and not p.prefill.warp_specialized for p in plans)
     d64 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True,
                            **dict(kw, head_size=64))  # fmt: skip
     assert d64.prefill is not None and not d64.prefill.warp_specialized
-    # An fp8 cache (not timed on the Hopper kernel) keeps the Triton kernel.
-    fp8 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True, kv_bytes=1,
-                           **dict(kw, head_size=128))  # fmt: skip
-    assert fp8.prefill is not None and not fp8.prefill.warp_specialized
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,kv_bytes,seq,expected",
+    [
+        # The sweeps' points on an H200 (132 SMs), each the fastest kernel measured there.
+        (32, 8, 128, 2, 512, ("ws", 128)),  # Llama-3-8B: 17.1 µs, Triton 23.3
+        (32, 8, 128, 2, 1024, ("ws", 128)),  # 33.6, 256-row tile 42.6
+        (32, 8, 128, 2, 2048, ("ws", 256)),  # 86.3, 128-row tile 102.5
+        (8, 1, 128, 2, 4096, ("ws", 128)),  # Llama-3-70B at TP 8: 88.8, 256-row 131.5
+        (8, 1, 128, 2, 8192, ("ws", 256)),  # 272.8, 128-row 344.8
+        (32, 8, 128, 1, 1024, ("ws", 128)),  # fp8: 44.7, Triton 52.5
+        (32, 8, 128, 1, 4096, ("ws", 256)),  # fp8: 397.3, Triton 526.3
+        (16, 8, 256, 1, 1024, ("triton", None)),  # Gemma-2-9B fp8: Triton 68.9, Hopper 72.9
+        (16, 8, 256, 1, 2048, ("ws", 128)),  # 144.7, Triton 228.6
+        (16, 8, 256, 2, 512, ("triton", None)),  # bf16, 64 programs
+        (16, 8, 256, 2, 1024, ("ws", 128)),  # 52.3, Triton 60.3
+    ],
+)
+def test_prefill_rule_at_the_sweeps_points(hq, hkv, d, kv_bytes, seq, expected):
+    plan = attn.plan_launch(num_seqs=1, num_q_heads=hq, num_kv_heads=hkv, head_size=d,
+                            max_query_len=seq, sms=132, workspace=None, kv_bytes=kv_bytes,
+                            warp_specialized=True).prefill  # fmt: skip
+    kernel, rows = expected
+    assert plan.warp_specialized == (kernel == "ws")
+    if rows is not None:
+        assert plan.block_m == rows
 
 
 def test_cpu_calls_never_plan_the_ws_kernel(monkeypatch):

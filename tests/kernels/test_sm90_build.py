@@ -101,22 +101,25 @@ def _decode_ws_shared(kv, head, tile, slots, window, softcap, sinks, split) -> i
     return kernel.metadata.shared
 
 
-# Hopper's prefill kernel: (head size, window, soft cap, sinks), each at its tile for the head.
+# Hopper's prefill kernel: (head size, window, soft cap, sinks, KV dtype[, rows]), each at its
+# tile for the head size or with that many rows.
 PREFILL_WS_VARIANTS = [
     (128, 4096, False, True, "bf16"),  # window and sinks (Mistral-like, gpt-oss-like)
     (256, 4096, True, True, "bf16"),  # head size 256, every option at once (Gemma 2 and more)
     (128, 0, False, False, "fp8e4nv"),  # fp8 staging, two staging buffers
     (256, 4096, True, True, "fp8e4nv"),  # fp8 at head size 256 (one staging buffer), options
+    (128, 4096, False, True, "fp8e4nv", 128),  # fp8 in the 128-row tile (short prefills)
 ]
 
 
-def _prefill_ws_shared(head, window, softcap, sinks, kv) -> int:
+def _prefill_ws_shared(head, window, softcap, sinks, kv, rows=None) -> int:
     """Shared memory of one variant of Hopper's prefill kernel, built through ptxas."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fuselane.kernels.attention import plan, prefill_ws
 
     block_m, block_n, warps, slots = plan.prefill_ws_tile(head)
+    block_m = rows or block_m
     group = 4 if head == 128 else 2
     kv_bytes = 1 if kv == "fp8e4nv" else 2
     compute_regs, load_regs = prefill_ws.WS_REGISTERS[head]
@@ -189,8 +192,9 @@ def test_hopper_prefill_kernel_builds(builds, index):
     barriers), within the block's limit."""
     from fuselane.kernels.attention import plan
 
-    head, *_, kv = PREFILL_WS_VARIANTS[index]
+    head, _, _, _, kv, *rows = PREFILL_WS_VARIANTS[index]
     block_m, block_n, _, slots = plan.prefill_ws_tile(head)
+    block_m = rows[0] if rows else block_m
     counted = plan.prefill_ws_smem_bytes(block_m, block_n, head, slots, 1 if kv == "fp8e4nv" else 2)
     assert counted <= builds["prefill_ws_shared"][index] <= counted + 1024
     assert builds["prefill_ws_shared"][index] <= plan.SMEM_PER_BLOCK_MAX
