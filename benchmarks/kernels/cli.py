@@ -108,6 +108,16 @@ def _peers(text: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `kernels` on the `fuselane bench` subparsers; the handler is `args.func`."""
     p = subparsers.add_parser(
@@ -191,6 +201,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="time limit: no new case after 85%% of it (the rest is for FlashInfer rows whose "
         "kernels were still compiling), what is left is listed as skipped "
         f"(default {DEFAULT_BUDGET_S:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="spread the selection's sections over N GPUs of this host, one process per GPU "
+        "(CUDA_VISIBLE_DEVICES picks which), each into --out/gpu<i>, then merge them into "
+        "--out (default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or case lines")
@@ -340,6 +359,8 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
             f"{', '.join(sections)} (the quick and smoke grids keep the gate's sections)\n"
         )
         return 2
+    if args.gpus > 1:
+        return _run_on_gpus(args, grid, families, sections)
     if args.interpret_smoke:
         # must precede every Triton import: @triton.jit picks interpreter or compiler there
         os.environ["TRITON_INTERPRET"] = "1"
@@ -399,6 +420,40 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
         print(report.text())
         status = status or (0 if report.passed else 1)
     return status
+
+
+def _run_on_gpus(
+    args: argparse.Namespace, grid: str, families: tuple[str, ...], sections: tuple[str, ...]
+) -> int:
+    """--gpus N: the sections spread over N processes, one per GPU, then merged
+    (benchmarks/kernels/multi_gpu.py)."""
+    from fuselane.benchmarks.kernels import multi_gpu
+
+    def error(text: str) -> int:
+        sys.stderr.write(f"fuselane bench kernels: error: {text}\n")
+        return 2
+
+    if args.baseline is not None:
+        return error(
+            "--gpus runs no performance gate (a gate compares one GPU's run with its baseline): "
+            "run --baseline without --gpus"
+        )
+    try:
+        devices = multi_gpu.visible_devices(args.gpus)
+    except ValueError as e:
+        return error(str(e))
+    if not args.interpret_smoke:  # the interpreter's processes need no GPU
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < args.gpus:
+            return error(f"--gpus {args.gpus}: torch sees {count} CUDA GPU(s) on this host")
+    status, files = multi_gpu.run(args, grid, families, sections, devices)
+    if not files:
+        return error("no part wrote its results (see the run.log of each --out/gpu<i>)")
+    merged = _merge(files, args.out)
+    print("parts:\n" + "\n".join(multi_gpu.part_summary(files)))
+    return status or merged
 
 
 def _confirm(report: GateReport, current: dict[str, Any], opts: Options) -> GateReport:
