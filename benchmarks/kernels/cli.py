@@ -318,14 +318,16 @@ def list_cases(
     return "\n".join(lines)
 
 
-def _merge(files: list[Path], out: Path) -> int:
+def _merge(files: list[Path], out: Path, names: list[str] | None = None) -> int:
+    """Joins results files into one in `out`; `names`: how the parts are named in it (default:
+    the files' names)."""
     import json
 
     from fuselane.benchmarks.kernels import outputs
 
     try:
         parts = [json.loads(f.read_text()) for f in files]
-        merged = outputs.merge(parts, [f.name for f in files])
+        merged = outputs.merge(parts, names or [f.name for f in files])
     except (OSError, ValueError, KeyError) as e:
         sys.stderr.write(f"fuselane bench kernels: error: --merge: {e}\n")
         return 2
@@ -346,6 +348,13 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     if args.list:
         models = () if args.interpret_smoke else tuple(args.model or ())
         print(list_cases(grid, families, models, sections))
+        if args.gpus > 1:
+            from fuselane.benchmarks.kernels import multi_gpu
+
+            seconds = multi_gpu.section_seconds(grid, families, models, sections)
+            for i, share in enumerate(multi_gpu.assign(seconds, args.gpus)):
+                est = sum(seconds[s] for s in share)
+                print(f"--gpus {args.gpus}, process {i}: {', '.join(share)} (~{est:.0f} s)")
         return 0
     if args.interpret_smoke and args.model:
         sys.stderr.write(
@@ -451,7 +460,7 @@ def _run_on_gpus(
     status, files = multi_gpu.run(args, grid, families, sections, devices)
     if not files:
         return error("no part wrote its results (see the run.log of each --out/gpu<i>)")
-    merged = _merge(files, args.out)
+    merged = _merge(files, args.out, [str(f.relative_to(args.out)) for f in files])
     print("parts:\n" + "\n".join(multi_gpu.part_summary(files)))
     return status or merged
 

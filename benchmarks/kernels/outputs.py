@@ -188,12 +188,19 @@ def merge(parts: Sequence[Payload], names: Sequence[str]) -> Payload:
         failures=[f for p in parts for f in p.get("failures", [])],
         skipped=[s for p in parts for s in p.get("skipped", [])],
         notes=[n for p in parts for n in p.get("notes", [])] + notes,
-        parts=[
-            {"file": n, **{k: p.get(k) for k in facts}} for n, p in zip(names, parts, strict=True)
-        ],
+        parts=[f for n, p in zip(names, parts, strict=True) for f in _part_facts(n, p, facts)],
         results=list(rows.values()),
     )
     return merged
+
+
+def _part_facts(name: str, payload: Payload, facts: Sequence[str]) -> list[dict]:
+    """The run facts of one part, or of each of its own parts when it is itself a merge (a
+    `--gpus` run merged again with another): `name: inner file`."""
+    inner = payload.get("parts")
+    if inner:
+        return [{**p, "file": f"{name}: {p['file']}"} for p in inner]
+    return [{"file": name, **{k: payload.get(k) for k in facts}}]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -261,3 +261,10 @@ def test_parts_merge_into_one_report_with_the_best_peer(tmp_path):
     assert "| flashinfer (1.50x) |" in md
     with pytest.raises(ValueError, match="different GPU models"):
         outputs.merge([a, part("decode", [], device="NVIDIA H200")], ["a", "c"])
+    # a merge merged again (a `--gpus` run with another part): its parts are listed, each
+    # under the merged file's name
+    c = part("prefill", [("fuselane", 5.0, True)])
+    again = outputs.merge([merged, c], ["gpus.json", "c.json"])
+    assert [p["file"] for p in again["parts"]] == ["gpus.json: a.json", "gpus.json: b.json",
+                                                   "c.json"]  # fmt: skip
+    assert again["parts"][2]["elapsed_s"] == 100.0 and len(again["results"]) == 6

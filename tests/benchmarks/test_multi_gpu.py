@@ -83,6 +83,17 @@ def test_a_worker_runs_the_parents_selection_on_its_sections(argv, tmp_path):
     assert worker.family is None and worker.baseline is None and worker.no_progress
 
 
+def test_list_shows_each_process_share():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fuselane.benchmarks.kernels.cli", "--list", "--gpus", "2"],
+        capture_output=True, text=True, timeout=120, env=_cpu_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    seconds = multi_gpu.section_seconds("full", grid.FAMILIES, (), ())
+    for i, share in enumerate(multi_gpu.assign(seconds, 2)):
+        assert f"--gpus 2, process {i}: {', '.join(share)} (~" in proc.stdout
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -125,13 +136,16 @@ def test_two_processes_under_the_interpreter_merge_into_one_report(tmp_path):
         folder = tmp_path / f"gpu{i}"
         assert f"GPU {i}: {', '.join(share)}" in proc.stdout
         assert (folder / "run.log").read_text().strip()
-        (part,) = folder.glob("kernels-*.json")
-        payload = json.loads(part.read_text())
+        (part_path,) = folder.glob("kernels-*.json")
+        payload = json.loads(part_path.read_text())
         assert {r["section"] for r in payload["results"]} == set(share)
         parts.append(payload)
     (merged_path,) = Path(tmp_path).glob("kernels-*.json")
     merged = json.loads(merged_path.read_text())
-    assert len(merged["parts"]) == 2 and merged["failures"] == [] and not merged["skipped"]
+    assert [p["file"] for p in merged["parts"]] == [
+        f"gpu{i}/{path.name}" for i, path in enumerate([part_path] * 2)
+    ]
+    assert merged["failures"] == [] and not merged["skipped"]
     ours = [r for r in merged["results"] if r["impl"] == "fuselane"]
     assert sorted(r["section"] for r in ours) == sorted(seconds)  # each section once
     assert all(r["check_ok"] for r in ours)
