@@ -1,5 +1,5 @@
-"""`fuselane bench kernels`, attention: decode (uniform and ragged contexts, bf16 and fp8 KV
-caches), prefill and mixed batches of each model shape.
+"""`fuselane bench kernels`, attention: decode (uniform and ragged contexts) and prefill, each
+over bf16 and fp8 KV caches, and mixed batches of each model shape.
 
 Inputs and checks are bench_attention's (attention_workload.py: `make_problem` over one random
 KV pool per model; `Expected`: the reference's output and its tolerance), with the model's head
@@ -9,8 +9,9 @@ is compared with the reference on the timed inputs; fuselane is timed only if it
 Peers: vLLM's `unified_attention` (TRITON_ATTN's kernel, its split scratch sized as
 triton_attn.py sizes it), FlashInfer's paged decode (tensor cores) and prefill wrappers
 (`plan()` outside the timed call), torch SDPA's flash and cuDNN backends on dense,
-GQA-expanded tensors for prefill (where SDPA can express the model: no soft cap, no window
-shorter than the sequence).
+GQA-expanded tensors for bf16 prefill (where SDPA can express the model: no soft cap, no window
+shorter than the sequence; over an fp8 cache SDPA would read a bf16 copy, so it is no peer
+there).
 
 Where a decode batch could run on either of fuselane's decode kernels (Hopper's warp-specialized
 one suits it, `attn.decode_ws_config`), the one the launch rule did not pick is timed too, as
@@ -30,7 +31,14 @@ import torch
 
 from fuselane.benchmarks.kernels import attention_workload as aw
 from fuselane.benchmarks.kernels.attention_timing import VllmScratch, vllm_attention
-from fuselane.benchmarks.kernels.grid import FP8_SECTIONS, PAGE, Case, ModelShape, build_grid
+from fuselane.benchmarks.kernels.grid import (
+    FP8_SECTIONS,
+    PAGE,
+    PREFILL_SECTIONS,
+    Case,
+    ModelShape,
+    build_grid,
+)
 from fuselane.benchmarks.kernels.impls import Check, Context, Impl, Prepared, generator
 from fuselane.kernels import attention as attn
 
@@ -55,7 +63,7 @@ def visible_pairs(q_len: int, seq_len: int, window: int | None) -> int:
 def case_lens(case: Case) -> tuple[list[int], list[int]]:
     """Query rows and context length of every sequence of an attention case."""
     size = case.params
-    if case.section == "prefill":
+    if case.section in PREFILL_SECTIONS:
         return [size["seq_len"]], [size["seq_len"]]
     if case.section == "mixed":
         rows = size["decodes"] + size["chunks"]
@@ -131,7 +139,7 @@ def prepare(ctx: Context, case: Case) -> Prepared:
     )
     p = aw.make_problem(q_lens, lens, generator(ctx.device, case.seed), kv=pool, hq=hq)
     opts = {"scale": d**-0.5, "sliding_window": m.sliding_window, "softcap": m.softcap}
-    expected = aw.Expected(p, case.section == "prefill", **opts)
+    expected = aw.Expected(p, case.section in PREFILL_SECTIONS, **opts)
     extra: dict[str, object] = {"window": m.sliding_window, "softcap": m.softcap}
     if cache_dtype != DTYPE:
         extra["cache_dtype"] = str(cache_dtype)[6:]

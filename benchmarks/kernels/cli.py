@@ -29,8 +29,8 @@ DEFAULT_BUDGET_S = 330.0
 DESCRIPTION = f"""\
 Times every kernel family of fuselane against whichever peers import here, on shapes of real
 models, in one process on one GPU:
-  attention   decode (B=1..256; ragged batches; bf16 and fp8 KV caches), prefill of 1k to 32k
-              tokens and mixed batches (paged KV cache, page 16)
+  attention   decode (B=1..256; ragged batches) and prefill of 1k to 32k tokens, each over
+              bf16 and fp8 KV caches, and mixed batches (paged KV cache, page 16)
   kv_cache    paged KV writes, bf16 and fp8 quantize-on-write, and fused RoPE + write
   sampling    fused temperature / top-k / top-p sampling at the model's vocabulary
 Peers: vLLM's Triton kernels (unified attention, reshape_and_cache_flash), FlashInfer (paged

@@ -23,7 +23,15 @@ FAMILIES: tuple[str, ...] = ("attention", "kv_cache", "sampling")
 # Attention's bf16 sections come first, then the fp8 ones: a model's KV pool is made once per
 # cache dtype (one pool is kept at a time, impls.Context.keep).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "attention": ("decode", "decode_ragged", "prefill", "mixed", "decode_fp8", "decode_ragged_fp8"),
+    "attention": (
+        "decode",
+        "decode_ragged",
+        "prefill",
+        "mixed",
+        "decode_fp8",
+        "decode_ragged_fp8",
+        "prefill_fp8",
+    ),
     "kv_cache": ("kv_write", "kv_write_fp8", "rope_kv_write"),
     "sampling": ("sampling",),
 }
@@ -32,7 +40,8 @@ ALL_SECTIONS: tuple[str, ...] = tuple(s for f in FAMILIES for s in SECTIONS[f])
 # name the cache dtype, as kv_write / kv_write_fp8 do, so a case key is the same in both).
 DECODE_SECTIONS = ("decode", "decode_fp8", "decode_ragged", "decode_ragged_fp8")
 RAGGED_SECTIONS = ("decode_ragged", "decode_ragged_fp8")
-FP8_SECTIONS = ("decode_fp8", "decode_ragged_fp8", "kv_write_fp8")
+FP8_SECTIONS = ("decode_fp8", "decode_ragged_fp8", "prefill_fp8", "kv_write_fp8")
+PREFILL_SECTIONS = ("prefill", "prefill_fp8")
 GRIDS: tuple[str, ...] = ("full", "quick", "smoke")
 PAGE = 16  # KV-cache block size of every case (vLLM's default on GPUs)
 
@@ -192,6 +201,7 @@ SIZES: dict[str, dict[str, list]] = {
         "mixed": [(4, 512, 60, 4096)],
         "decode_fp8": _DECODE_FULL,
         "decode_ragged_fp8": _RAGGED_FULL,
+        "prefill_fp8": list(PREFILL_LENS),
         "kv_write": [1, 256, 4096, 32768],
         "kv_write_fp8": [1, 256, 4096, 32768],
         "rope_kv_write": [1, 1024, 8192],
@@ -210,6 +220,7 @@ SIZES: dict[str, dict[str, list]] = {
         "decode": [(2, 40)],
         "prefill": [48],
         "mixed": [(1, 24, 2, 40)],
+        "prefill_fp8": [48],
         "kv_write": [5],
         "kv_write_fp8": [5],
         "rope_kv_write": [5],
@@ -250,7 +261,7 @@ class Case:
             return f"B={p['batch']} ctx={self.dist.label if self.dist else '?'}"
         if self.section in DECODE_SECTIONS:
             return f"B={p['batch']} ctx={p['context']}"
-        if self.section == "prefill":
+        if self.section in PREFILL_SECTIONS:
             return f"S={p['seq_len']}"
         if self.section == "mixed":
             return (
@@ -281,6 +292,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "decode_ragged": ("batch",),
     "decode_ragged_fp8": ("batch",),
     "prefill": ("seq_len",),
+    "prefill_fp8": ("seq_len",),
     "mixed": ("chunks", "chunk_len", "decodes", "context"),
     "sampling": ("batch",),
 }
@@ -372,10 +384,11 @@ def estimate_s(case: Case) -> float:
     """Estimated GPU seconds of one case with every peer (without RUN_START_S or FlashInfer's
     one-time builds, which run beside the timed cases)."""
     rows = 3 + _EXTRA_ROWS.get(case.section, 0)
-    if case.section != "prefill":
+    if case.section not in PREFILL_SECTIONS:
         return rows * ROW_S[case.family]
     m, n = case.shape, case.params["seq_len"]
-    if m.softcap == 0 and (m.sliding_window is None or n <= m.sliding_window):
+    sdpa = m.softcap == 0 and (m.sliding_window is None or n <= m.sliding_window)
+    if case.section == "prefill" and sdpa:  # SDPA reads a dense bf16 copy: not an fp8 peer
         rows += 2
     flops = m.head_size / 128 * m.num_q_heads / 32  # per (query, key) pair, against Llama-3-8B's
     return rows * ROW_S["attention"] + _LONG_PREFILL_S_PER_KTOK2 * (n / 1024) ** 2 * flops

@@ -15,7 +15,8 @@ from typing import Any
 from fuselane.benchmarks.kernels.grid import FAMILIES, SECTIONS
 
 Payload = dict[str, Any]
-FLOP_SECTIONS = ("prefill", "mixed")  # timed against the GEMM ceiling; the rest against copy
+# timed against the GEMM ceiling; the rest against copy
+FLOP_SECTIONS = ("prefill", "mixed", "prefill_fp8")
 
 
 def stem(payload: Payload) -> str:

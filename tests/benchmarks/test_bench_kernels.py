@@ -108,7 +108,7 @@ def test_interpret_smoke_run_writes_consistent_outputs(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", family
     assert "fuselane kernel benchmark" in proc.stdout  # the report is printed too
     # no terminal: plain progress lines instead of a bar
-    assert "[1/7] decode tiny B=2 ctx=40" in proc.stdout
+    assert "[1/8] decode tiny B=2 ctx=40" in proc.stdout
 
 
 class _Events:

@@ -28,8 +28,9 @@ def test_full_grid_sections_and_sizes():
         ("attention", "decode"): 55, ("attention", "decode_ragged"): 30,
         ("attention", "prefill"): 30, ("attention", "mixed"): 5,
         ("attention", "decode_fp8"): 55, ("attention", "decode_ragged_fp8"): 30,
-        ("kv_cache", "kv_write"): 16, ("kv_cache", "kv_write_fp8"): 16,
-        ("kv_cache", "rope_kv_write"): 12, ("sampling", "sampling"): 12,
+        ("attention", "prefill_fp8"): 30, ("kv_cache", "kv_write"): 16,
+        ("kv_cache", "kv_write_fp8"): 16, ("kv_cache", "rope_kv_write"): 12,
+        ("sampling", "sampling"): 12,
     }  # fmt: skip
     llama = [c for c in cases if c.models == ("llama-3-8b",)]
     decode = [c.params for c in llama if c.section == "decode"]
@@ -43,6 +44,9 @@ def test_full_grid_sections_and_sizes():
     assert [c.params["seq_len"] for c in llama if c.section == "prefill"] == [
         1024, 2048, 4096, 8192, 16384, 32768,
     ]  # fmt: skip
+    assert [c.params for c in llama if c.section == "prefill_fp8"] == [
+        c.params for c in llama if c.section == "prefill"
+    ]
     keys = {c.key for c in llama if c.section == "decode_ragged"}
     assert keys == {
         f"llama-3-8b B={b} ctx={d}"
@@ -100,7 +104,8 @@ def test_smoke_grid_is_unchanged():
     keys = [(c.section, c.key) for c in grid.build_grid(grid="smoke")]
     assert keys == [
         ("decode", "tiny B=2 ctx=40"), ("prefill", "tiny S=48"),
-        ("mixed", "tiny 1x24 prefill + 2 decode, ctx=40"), ("kv_write", "tiny tokens=5"),
+        ("mixed", "tiny 1x24 prefill + 2 decode, ctx=40"), ("prefill_fp8", "tiny S=48"),
+        ("kv_write", "tiny tokens=5"),
         ("kv_write_fp8", "tiny tokens=5"), ("rope_kv_write", "tiny tokens=5"),
         ("sampling", "tiny B=2 V=1000"),
     ]  # fmt: skip
@@ -135,7 +140,7 @@ def test_the_documented_split_covers_the_full_grid_once_within_a_call():
     """docs/performance.md's parts: every full-grid case in exactly one, each within ~9 min, and
     the counts and estimates the lines give are the grid's."""
     parts = _split_commands()
-    assert len(parts) == 5
+    assert len(parts) == 6
     seen: Counter = Counter()
     for argv, count, seconds in parts:
         parser = cli.argparse.ArgumentParser()
