@@ -351,9 +351,8 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
         if args.gpus > 1:
             from fuselane.benchmarks.kernels import multi_gpu
 
-            seconds = multi_gpu.section_seconds(grid, families, models, sections)
-            for i, share in enumerate(multi_gpu.assign(seconds, args.gpus)):
-                est = sum(seconds[s] for s in share)
+            planned = multi_gpu.shares(grid, families, models, sections, args.gpus)
+            for i, (share, est) in enumerate(planned):
                 print(f"--gpus {args.gpus}, process {i}: {', '.join(share)} (~{est:.0f} s)")
         return 0
     if args.interpret_smoke and args.model:

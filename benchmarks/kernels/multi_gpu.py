@@ -56,6 +56,19 @@ def assign(seconds: dict[str, float], gpus: int) -> list[list[str]]:
     return [sorted(s, key=order.index) for s in shares if s]
 
 
+def shares(
+    grid: str,
+    families: tuple[str, ...],
+    models: tuple[str, ...],
+    sections: tuple[str, ...],
+    gpus: int,
+) -> list[tuple[list[str], float]]:
+    """(sections, estimated seconds) of each process: the selection's sections `assign`ed to at
+    most `gpus` processes."""
+    seconds = section_seconds(grid, families, models, sections)
+    return [(share, sum(seconds[s] for s in share)) for share in assign(seconds, gpus)]
+
+
 def visible_devices(gpus: int, env: dict[str, str] | None = None) -> list[str]:
     """The device each share runs on: the first `gpus` entries of CUDA_VISIBLE_DEVICES when it
     is set (a list of indices or UUIDs), else 0..gpus-1. Raises ValueError when the variable
@@ -99,15 +112,13 @@ def run(
 ) -> tuple[int, list[Path]]:
     """Runs the shares, one process per device, each logging to its folder's run.log; returns
     (the worst exit status, the parts' results files that were written)."""
-    seconds = section_seconds(grid, families, tuple(args.model or ()), sections)
-    shares = assign(seconds, len(devices))
+    planned = shares(grid, families, tuple(args.model or ()), sections, len(devices))
     procs: list[tuple[subprocess.Popen, Path]] = []
-    print(f"{len(shares)} process(es), one per GPU:")
+    print(f"{len(planned)} process(es), one per GPU:")
     try:
-        for i, (share, device) in enumerate(zip(shares, devices, strict=False)):
+        for i, ((share, est), device) in enumerate(zip(planned, devices, strict=False)):
             out = args.out / f"gpu{i}"
             out.mkdir(parents=True, exist_ok=True)
-            est = sum(seconds[s] for s in share)
             print(f"  GPU {device}: {', '.join(share)} (~{est:.0f} s) -> {out}/run.log")
             log = (out / "run.log").open("w")
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": device, "PYTHONUNBUFFERED": "1"}

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fuselane.benchmarks.kernels.grid import FAMILIES, SECTIONS
+from fuselane.benchmarks.kernels.grid import FAMILIES, PREFILL_SECTIONS, SECTIONS
 
 Payload = dict[str, Any]
-# timed against the GEMM ceiling; the rest against copy
-FLOP_SECTIONS = ("prefill", "mixed", "prefill_fp8")
+FLOP_SECTIONS = (*PREFILL_SECTIONS, "mixed")  # timed against the GEMM ceiling; the rest copy
 
 
 def stem(payload: Payload) -> str:

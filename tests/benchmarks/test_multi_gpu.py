@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,9 +90,8 @@ def test_list_shows_each_process_share():
         capture_output=True, text=True, timeout=120, env=_cpu_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    seconds = multi_gpu.section_seconds("full", grid.FAMILIES, (), ())
-    for i, share in enumerate(multi_gpu.assign(seconds, 2)):
-        assert f"--gpus 2, process {i}: {', '.join(share)} (~" in proc.stdout
+    for i, (share, est) in enumerate(multi_gpu.shares("full", grid.FAMILIES, (), (), 2)):
+        assert f"--gpus 2, process {i}: {', '.join(share)} (~{est:.0f} s)" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -112,8 +112,6 @@ def test_refusals(argv, message):
 
 
 def _cpu_env() -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
@@ -142,9 +140,7 @@ def test_two_processes_under_the_interpreter_merge_into_one_report(tmp_path):
         parts.append(payload)
     (merged_path,) = Path(tmp_path).glob("kernels-*.json")
     merged = json.loads(merged_path.read_text())
-    assert [p["file"] for p in merged["parts"]] == [
-        f"gpu{i}/{path.name}" for i, path in enumerate([part_path] * 2)
-    ]
+    assert [p["file"] for p in merged["parts"]] == [f"gpu{i}/{part_path.name}" for i in range(2)]
     assert merged["failures"] == [] and not merged["skipped"]
     ours = [r for r in merged["results"] if r["impl"] == "fuselane"]
     assert sorted(r["section"] for r in ours) == sorted(seconds)  # each section once

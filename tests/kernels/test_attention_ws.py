@@ -116,6 +116,12 @@ def test_ws_prefill_repeated_launches_agree():
     assert_repeats_agree(batch, ws, plan)
 
 
+def option_case_id(case: tuple) -> str:
+    """The test id of an (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options) case."""
+    Hq, Hkv, D, _, q_dtype, _, _, options = case
+    return f"Hq{Hq}-Hkv{Hkv}-D{D}-{str(q_dtype)[6:]}-" + ",".join(sorted(options))
+
+
 WS_PREFILL_OPTION_CASES = [
     # (Hq, Hkv, D, block, q dtype, q_lens, seq_lens, options)
     # a window longer than the q block: edge tiles, interior, diagonal; a 1-token sequence
@@ -155,7 +161,7 @@ WS_PREFILL_OPTION_CASES = [
 @pytest.mark.parametrize(
     "case",
     WS_PREFILL_OPTION_CASES,
-    ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])),
+    ids=option_case_id,
 )
 def test_ws_prefill_options_match_reference(case):
     """Sliding window, soft cap and sinks, head sizes 64 / 128 / 256, in the warp-specialized
@@ -205,9 +211,8 @@ WS_PREFILL_SMALL_TILE_CASES = [
 @pytest.mark.parametrize(
     "case,kv_dtype",
     WS_PREFILL_SMALL_TILE_CASES,
-    ids=lambda c: (f"Hq{c[0]}-Hkv{c[1]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])))
-    if isinstance(c, tuple) else str(c)[6:],
-)  # fmt: skip
+    ids=lambda c: option_case_id(c) if isinstance(c, tuple) else str(c)[6:],
+)
 def test_ws_prefill_small_tile_matches_reference(case, kv_dtype):
     """The warp-specialized prefill kernel's 128-row tile (64 rows per compute warpgroup), with
     windows, sinks, a chunk after a cached prefix, a group of 7 and fp8 caches: against the
@@ -230,7 +235,7 @@ WS_PREFILL_FP8_CASES = [
 @pytest.mark.parametrize(
     "case",
     WS_PREFILL_FP8_CASES,
-    ids=lambda c: f"Hq{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-" + ",".join(sorted(c[7])),
+    ids=option_case_id,
 )
 def test_ws_prefill_fp8_cache_matches_reference(case):
     """An fp8 e4m3 cache in the warp-specialized prefill kernel (fp8 ring slots, each compute
