@@ -252,25 +252,17 @@ WS_RULE_HEAD_SIZES = (128, 256)
 # gemma-2-9b-softcap50-short.json). At head size <= 128 this applies to the 256-row tile only:
 # launches the 128-row tile takes (below) have no lower bound.
 PREFILL_WS_MIN_FILL = 0.75
-# An fp8 cache: the Hopper kernel converts each K/V tile through registers into a staging
-# buffer, which costs it the advantage until about two waves of programs. Gemma-2-9B at S = 1024
-# (128 programs) 72.9 µs against the Triton kernel's 68.9, at 2048 (256) 144.7 against 228.6;
-# Llama-3-8B's 256-row tile at 2048 (256 programs) 114.7 against 113.1, at 4096 1.32x faster
-# (prefill-ws-sweep-nvidia-h200-2026-11-27-{llama-3-8b-plain-kvfp8*,gemma-2-9b-softcap50-kvfp8}
-# .json).
+# An fp8 cache: converting each K/V tile through registers costs the Hopper kernel its lead
+# below about two waves of programs (Gemma-2-9B S = 1024, 128 programs: 72.9 µs against the
+# Triton kernel's 68.9; S = 2048: 144.7 against 228.6).
 PREFILL_WS_MIN_FILL_FP8 = 1.5
 # Head size <= 128, launches of at most one wave of the 256-row tile (programs <= SMs): the
-# 128-row tile (64 rows per compute warpgroup), twice the programs. A causal prefill's programs
-# differ in work (the last rows read every key), so one wave of large tiles waits for its
-# longest; twice as many halves that tail. On an H200, 1.24-1.55x the 256-row tile or the Triton
-# kernel, whichever the rule took before, at every measured point: Llama-3-8B S = 256 / 512 /
-# 1024 16.1 / 23.3 / 41.6 -> 12.1 / 17.1 / 33.6 µs, Qwen2.5-7B 19.7 / 27.3 / 44.2 -> 12.7 /
-# 17.6 / 32.6, Mistral-7B's window S = 512 / 1024 1.53 / 1.32x, Llama-3-70B at TP 8 (one kv head)
-# S = 256-4096 1.33-1.49x, chunks of 64-512 tokens after 4096 cached ones 1.39-1.58x, an fp8
-# cache S = 512 / 1024 26.1 / 52.5 -> 23.0 / 44.7. Past one wave it is slower (Llama-3-8B
-# S = 2048 102.5 against 86.3). One measured loss: a 1024-token chunk after 4096 cached tokens
-# (every program reads the prefix: no tail to halve) 191.8 against the 256-row tile's 169.4; the
-# rule sees no prefix (shapes only). (prefill-ws-sweep-nvidia-h200-2026-11-27-*-small-tile.json)
+# 128-row tile, twice the programs. A causal prefill's programs differ in work (the last rows
+# read every key), so one wave waits for its longest program; twice as many halve that tail.
+# 1.24-1.58x at every such launch measured on an H200 (Llama-3-8B S = 1024 41.6 -> 33.6 µs),
+# slower past one wave; one loss: a 1024-token chunk after 4096 cached tokens (no tail to
+# halve), which shapes alone cannot tell apart. Tables and files: docs/tuning/attention.md,
+# "Hopper prefill: the 128-row tile for short prompts, fp8 caches".
 PREFILL_WS_SMALL_ROWS = 128
 
 
