@@ -210,6 +210,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-results-copy", action="store_true", help="no copy in benchmarks/results")
     p.add_argument(
+        "--work-dir",
+        help=f"engines' results, compile caches and traces (default {settings.WORK_DIR}): one "
+        "per run where several run at once on one host, one GPU each",
+    )
+    p.add_argument(
         "--probe-only",
         action="store_true",
         help="offline engines time lone prefills only (no correctness pass, no workloads, "
@@ -285,6 +290,7 @@ def run_arm_offline(
     cmd += ["--probe-only"] if args.probe_only else []
     cmd += ["--profile"] if args.profile else []
     cmd += ["--golden", args.golden] if args.golden else []
+    cmd += ["--work-dir", str(settings.WORK_DIR)]
     log_path = logs / f"{arm.name}-offline.log"
     res = run_engine_process(cmd, arm_env(arm), log_path, result_path, timeout)
     res.setdefault("memory", {})["log"] = parse_memory_log(log_path.read_text(errors="replace"))
@@ -338,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.apply_smoke()
     if args.golden:
         settings.apply_golden()
+    if args.work_dir:
+        settings.WORK_DIR = Path(args.work_dir)
     settings.TENSOR_PARALLEL, settings.TELEMETRY = args.tensor_parallel_size, args.telemetry
     rule = apply_run_shape(args)
     if args.worker == "offline":

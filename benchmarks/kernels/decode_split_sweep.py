@@ -32,7 +32,7 @@ import torch
 
 from fuselane.benchmarks import harness
 from fuselane.benchmarks.kernels import attention_workload as aw
-from fuselane.benchmarks.kernels.grid import MODELS, RAGGED_DISTS, decode_context
+from fuselane.benchmarks.kernels.grid import RAGGED_DISTS, SWEEP_MODELS, decode_context
 from fuselane.benchmarks.kernels.grid import _budget_tokens as budget_tokens_of_grid
 from fuselane.benchmarks.kernels.impls import generator
 from fuselane.kernels import attention as attn
@@ -93,7 +93,7 @@ def plans_for(
 def run_case(model: str, batch: int, ctx: int | str, kv: str, budget_end: float, **which) -> dict:
     """ctx: every sequence's context, or the name of one of the grid's RAGGED_DISTS (its
     draw for this batch size, as the grid's ragged rows). which: `plans_for`'s keywords."""
-    m = MODELS[model]
+    m = SWEEP_MODELS[model]
     kv_dtype = aw.FP8 if kv == "fp8" else aw.DTYPE
     lens = RAGGED_DISTS[ctx].draw(batch) if isinstance(ctx, str) else [ctx] * batch
     p = aw.make_problem(
@@ -169,7 +169,7 @@ def _numbers(kind: type) -> object:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--model", action="append", choices=sorted(MODELS), default=None)
+    ap.add_argument("--model", action="append", choices=sorted(SWEEP_MODELS), default=None)
     ap.add_argument("--batch", action="append", type=int, default=None)
     ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument(

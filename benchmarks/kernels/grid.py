@@ -104,6 +104,13 @@ MODELS: dict[str, ModelShape] = {
         ),
     )
 }  # fmt: skip
+# The launch-rule sweeps' models: the grid's, and head size 64 (a shape the rules must answer
+# for, as small models run it) without adding its rows to the grid. Llama-3.2-1B's config:
+# 32 query heads, 8 KV heads, head_dim 64, 16 layers (meta-llama/Llama-3.2-1B, config.json).
+SWEEP_MODELS: dict[str, ModelShape] = {
+    **MODELS,
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 32, 8, 64, 128256, num_layers=16),
+}
 # The interpreter smoke run's only model: small enough for Triton's interpreter on a CPU.
 SMOKE_MODEL = ModelShape("tiny", 4, 2, 64, 1000, note="plumbing check under the interpreter")
 

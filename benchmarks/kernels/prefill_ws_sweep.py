@@ -31,7 +31,7 @@ import torch
 from fuselane.benchmarks import harness
 from fuselane.benchmarks.kernels import attention_workload as aw
 from fuselane.benchmarks.kernels.attention_cases import visible_pairs
-from fuselane.benchmarks.kernels.grid import MODELS
+from fuselane.benchmarks.kernels.grid import SWEEP_MODELS
 from fuselane.benchmarks.kernels.impls import generator
 from fuselane.kernels import attention as attn
 from fuselane.kernels.attention import prefill_ws
@@ -83,7 +83,7 @@ def run_case(
 ) -> dict:
     """One sequence of `seq` query tokens after `prefix` cached ones (a chunk of a chunked
     prefill), every point of `plans_for`, on a bf16 or fp8 cache."""
-    m = MODELS[model]
+    m = SWEEP_MODELS[model]
     p = aw.make_problem(
         [seq], [prefix + seq], generator(torch.device("cuda"), seq * 31 + m.head_size),
         hq=m.num_q_heads, hkv=m.num_kv_heads, d=m.head_size,
@@ -153,7 +153,7 @@ def _tag(options: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--model", choices=sorted(MODELS), required=True)
+    ap.add_argument("--model", choices=sorted(SWEEP_MODELS), required=True)
     ap.add_argument("--window", type=int, default=None, help="sliding window (default: model's)")
     ap.add_argument("--softcap", type=float, default=None, help="soft cap (default: model's)")
     ap.add_argument("--sinks", action="store_true", help="random per-head sinks")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_ws_sweep: needs a CUDA GPU")
-    m = MODELS[args.model]
+    m = SWEEP_MODELS[args.model]
     window = m.sliding_window if args.window is None else (args.window or None)
     softcap = m.softcap if args.softcap is None else args.softcap
     options: dict = {"sliding_window": window, "softcap": softcap}

@@ -273,3 +273,18 @@ def test_parts_merge_into_one_report_with_the_best_peer(tmp_path):
     assert [p["file"] for p in again["parts"]] == ["gpus.json: a.json", "gpus.json: b.json",
                                                    "c.json"]  # fmt: skip
     assert again["parts"][2]["elapsed_s"] == 100.0 and len(again["results"]) == 6
+
+
+@pytest.mark.parametrize("sweep", ["decode_split_sweep", "prefill_ws_sweep"])
+def test_sweeps_take_head_size_64_outside_the_grid(sweep, tmp_path):
+    """The launch-rule sweeps time a head-size-64 model the grid does not carry: the name
+    parses (the run then stops at the missing GPU, not at argparse's exit status 2)."""
+    import importlib
+
+    m = grid.SWEEP_MODELS["llama-3.2-1b"]
+    assert (m.num_q_heads, m.num_kv_heads, m.head_size) == (32, 8, 64)
+    assert "llama-3.2-1b" not in grid.MODELS
+    assert all(grid.SWEEP_MODELS[name] is shape for name, shape in grid.MODELS.items())
+    main = importlib.import_module(f"fuselane.benchmarks.kernels.{sweep}").main
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["--out", str(tmp_path), "--model", "llama-3.2-1b"])

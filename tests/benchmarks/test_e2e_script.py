@@ -384,3 +384,30 @@ def test_stock_sampler_read_from_the_installed_vllm(e2e):
         if ops.exists():
             assert arms.triton_top_k_top_p_rows(ops.read_text()) == rows
     assert arms.triton_top_k_top_p_rows("def apply_top_k_top_p(x):\n    return x\n") is None
+
+
+def test_work_dir_separates_runs_on_one_host(e2e, monkeypatch, tmp_path):
+    """Runs side by side on one host (one GPU each) keep their engines' results and compile
+    caches apart: --work-dir reaches the caches and the offline worker's command."""
+    monkeypatch.setattr(e2e.settings, "WORK_DIR", e2e.settings.WORK_DIR)
+    seen = {}
+
+    def fake_engine(cmd, env, log_path, result_path, timeout):
+        seen.update(cmd=cmd, result=result_path)
+        log_path.write_text("")
+        return {"status": "ok"}
+
+    monkeypatch.setattr(e2e, "run_engine_process", fake_engine)
+    monkeypatch.setattr(e2e, "worker_offline", lambda *a, **k: 0)
+    cell = tmp_path / "cell-1"
+    args = e2e.parse_args(["--work-dir", str(cell), "--worker", "offline", "--worker-arm",
+                           "FLASH_ATTN", "--worker-result", str(cell / "r.json")])  # fmt: skip
+    assert e2e.main(["--work-dir", str(cell), "--worker", "offline", "--worker-arm",
+                     "FLASH_ATTN", "--worker-result", str(cell / "r.json")]) == 0  # fmt: skip
+    assert e2e.settings.WORK_DIR == cell
+    arm = e2e.make_arms(["fuselane"])[0]
+    cache = e2e.engine_kwargs(arm, "/m")["compilation_config"]["cache_dir"]
+    assert cache == str(cell / "compile" / "fuselane")
+    e2e.run_arm_offline(arm, args, tmp_path, timeout=1.0)
+    assert seen["result"].parent == cell
+    assert seen["cmd"][seen["cmd"].index("--work-dir") + 1] == str(cell)
