@@ -70,7 +70,7 @@ def _seeds_v1(generators: dict[int, torch.Generator], B: int, device: torch.devi
             for r in rows
         ]
     ).to(device)
-    idx = torch.tensor(rows, dtype=torch.int64).to(device)
+    idx = sampling_state.to_device(torch.tensor(rows, dtype=torch.int64), device)
     seeds = torch.zeros(B, dtype=torch.int64, device=device)
     has_seed = torch.zeros(B, dtype=torch.bool, device=device)
     seeds[idx] = vals
@@ -101,10 +101,9 @@ def _params_v1(sampler: Any, logits: torch.Tensor, md: Any):
                 p.min_p = _f32(proc.min_p, B)
         p.seeds, p.has_seed = _seeds_v1(md.generators, B, dev)
     if not md.no_penalties:
-        p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask = (
-            sampling_state.penalty_state_from_v1(
-                md.prompt_token_ids[:B], md.output_token_ids[:B], V
-            )
+        p.prompt_bin_mask = sampler._prompt_mask(md.prompt_token_ids, B, V)
+        p.output_bin_counts, p.output_bin_mask = sampling_state.output_state_from_v1(
+            md.output_token_ids[:B], V, dev
         )
         p.repetition_penalty = _f32(md.repetition_penalties, B)
         p.frequency_penalty = _f32(md.frequency_penalties, B)
@@ -132,6 +131,8 @@ def make_v1_sampler(base: type) -> type:
             self._fuselane_warmed = False
             self._fuselane_bias_key: tuple | None = None
             self._fuselane_bias: tuple | None = None
+            self._fuselane_prompt_key: tuple | None = None
+            self._fuselane_prompt_mask: torch.Tensor | None = None
 
         def _workspace(self, logits: torch.Tensor):
             from fuselane.kernels import sampling
@@ -159,6 +160,18 @@ def make_v1_sampler(base: type) -> type:
                 self._fuselane_bias = sampling_state.logit_bias_from_dicts(proc.biases, B, dev)
                 self._fuselane_bias_key = key
             return self._fuselane_bias
+
+        def _prompt_mask(self, prompt_token_ids: torch.Tensor, B: int, V: int) -> torch.Tensor:
+            # V1 builds a new prompt-id tensor only when the batch changes; holding the last
+            # one keeps its identity from being reused by another tensor.
+            key = (prompt_token_ids, B, V)
+            last = self._fuselane_prompt_key
+            if last is None or last[0] is not key[0] or last[1:] != key[1:]:
+                self._fuselane_prompt_mask = sampling_state.prompt_bin_mask_from_v1(
+                    prompt_token_ids[:B], V
+                )
+                self._fuselane_prompt_key = key
+            return self._fuselane_prompt_mask
 
         def forward(
             self,

@@ -8,9 +8,53 @@ of the inputs). V2 keeps the kernel's form itself, so its path needs none of thi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fuselane.kernels.sampling import pack_bin_mask
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor built for this step onto `device` without waiting for the GPU: a copy from
+    pageable memory synchronizes the stream first, which would stall vLLM's asynchronous
+    scheduling (the host preparing the next step while this one runs) on every sampler call.
+    Pinned memory is what vLLM's own sampler copies from."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def prompt_bin_mask_from_v1(prompt_token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """V1's prompt token ids ([B, Lp] int64 padded with `vocab`, on the device) -> the packed
+    prompt bit mask [B, ceil(vocab / 32)] int32. V1 keeps the same tensor while the batch is
+    unchanged, so callers can keep the mask as long as they get the same tensor."""
+    B = prompt_token_ids.shape[0]
+    prompt = torch.zeros(B, vocab + 1, dtype=torch.bool, device=prompt_token_ids.device)
+    prompt.scatter_(1, prompt_token_ids.to(torch.int64), True)
+    return pack_bin_mask(prompt[:, :vocab])
+
+
+def output_state_from_v1(
+    output_token_ids: list[list[int]] | torch.Tensor, vocab: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V1's output token ids (per-row lists, or a [B, Lo] tensor padded with `vocab` or -1;
+    -1 also marks async scheduling's placeholders) -> (output_bin_counts [B, vocab] int32,
+    packed output_bin_mask) on `device`. The lists are padded in numpy (a torch tensor per row
+    cost ~4x as much at 256 rows of 512 ids) and copied without a stream sync (`to_device`)."""
+    if not isinstance(output_token_ids, torch.Tensor):
+        width = max(1, max(map(len, output_token_ids), default=0))
+        ids = np.full((len(output_token_ids), width), vocab, dtype=np.int64)
+        for i, row in enumerate(output_token_ids):
+            if row:
+                ids[i, : len(row)] = row
+        output_token_ids = to_device(torch.from_numpy(ids), device)
+    out = output_token_ids.to(torch.int64).masked_fill(output_token_ids < 0, vocab)
+    B = out.shape[0]
+    counts = torch.zeros(B, vocab + 1, dtype=torch.int32, device=out.device)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
+    counts = counts[:, :vocab].contiguous()
+    return counts, pack_bin_mask(counts > 0)
 
 
 def penalty_state_from_v1(
@@ -18,28 +62,10 @@ def penalty_state_from_v1(
     output_token_ids: list[list[int]] | torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM V1's penalty inputs -> (prompt_bin_mask, output_bin_counts, output_bin_mask).
-
-    prompt_token_ids: [B, Lp] int64 padded with `vocab` (V1 SamplingMetadata); output_token_ids:
-    V1's per-row lists, or a [B, Lo] tensor padded with `vocab` or -1. Rows map to slots 1:1
-    (leave `state_slots` None). Runs on prompt_token_ids' device; list input costs one copy.
-    """
-    dev = prompt_token_ids.device
-    B = prompt_token_ids.shape[0]
-    if not isinstance(output_token_ids, torch.Tensor):
-        width = max((len(o) for o in output_token_ids), default=0)
-        out = torch.full((B, max(1, width)), vocab, dtype=torch.int64)
-        for i, o in enumerate(output_token_ids):
-            if o:
-                out[i, : len(o)] = torch.tensor(o, dtype=torch.int64)
-        output_token_ids = out.to(dev)
-    out = output_token_ids.to(torch.int64).masked_fill(output_token_ids < 0, vocab)
-    counts = torch.zeros(B, vocab + 1, dtype=torch.int32, device=dev)
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
-    counts = counts[:, :vocab].contiguous()
-    prompt = torch.zeros(B, vocab + 1, dtype=torch.bool, device=dev)
-    prompt.scatter_(1, prompt_token_ids.to(torch.int64), True)
-    return pack_bin_mask(prompt[:, :vocab]), counts, pack_bin_mask(counts > 0)
+    """V1's penalty inputs -> (prompt_bin_mask, output_bin_counts, output_bin_mask), rows
+    mapping to slots 1:1 (leave `state_slots` None), on prompt_token_ids' device."""
+    counts, mask = output_state_from_v1(output_token_ids, vocab, prompt_token_ids.device)
+    return prompt_bin_mask_from_v1(prompt_token_ids, vocab), counts, mask
 
 
 def logit_bias_from_dicts(
@@ -56,4 +82,4 @@ def logit_bias_from_dicts(
         counts[r] = len(d)
         toks[r, : len(d)] = torch.tensor(list(d.keys()), dtype=torch.int32)
         vals[r, : len(d)] = torch.tensor(list(d.values()), dtype=torch.float32)
-    return counts.to(device), toks.to(device), vals.to(device)
+    return to_device(counts, device), to_device(toks, device), to_device(vals, device)

@@ -34,6 +34,7 @@ ONLINE_PRIORITY = (
     "fuselane_all",
     "FLASH_ATTN_v1",
     "fuselane_all_v1",
+    "fuselane_triton",
 )
 
 
@@ -106,7 +107,7 @@ def make_arms(names: Sequence[str] | None = None, with_all: bool | None = None) 
     if with_all:
         arms.insert(2, Arm("fuselane_all", None, {"FUSELANE_KERNELS": "all"}, needs_fuselane=True))
     if names:
-        known = {a.name: a for a in arms + v1_runner_arms()}
+        known = {a.name: a for a in arms + v1_runner_arms() + triage_arms()}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise SystemExit(f"--arms: unknown {unknown}; known: {sorted(known)}")
@@ -131,6 +132,19 @@ def v1_runner_arms() -> list[Arm]:
             needs_fuselane=True,
         ),
     ]
+
+
+# Named with --arms only: fuselane with its Hopper kernels off (FUSELANE_HOPPER_KERNELS=0, the
+# operator switch), the Triton kernels at every shape, to tell what the Hopper kernels change in
+# an engine (a model's throughput or its correctness deviation) from what the Triton ones do.
+def triage_arms() -> list[Arm]:
+    env = {"FUSELANE_KERNELS": "attention,kv_cache", "FUSELANE_HOPPER_KERNELS": "0"}
+    return [Arm("fuselane_triton", None, env, needs_fuselane=True)]
+
+
+def every_arm() -> list[Arm]:
+    """Every arm a run can name, once each."""
+    return make_arms(with_all=True) + v1_runner_arms() + triage_arms()
 
 
 def reference_of(name: str) -> str:

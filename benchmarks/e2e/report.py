@@ -23,12 +23,12 @@ import memory
 import settings
 from arms import (
     engine_kwargs,
+    every_arm,
     is_reference,
     make_arms,
     reference_of,
     sampler_hook_available,
     stock_sampler,
-    v1_runner_arms,
 )
 from correctness import (
     WEIGHT_SEED,
@@ -165,9 +165,7 @@ def finish_report(report: dict[str, Any]) -> dict[str, Any]:
 def memory_check(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each arm's memory summary (kept in the arm), and each fuselane arm's comparison with its
     reference's (memory.compare)."""
-    fuselane_arms = {
-        a.name for a in make_arms(with_all=True) + v1_runner_arms() if a.needs_fuselane
-    }
+    fuselane_arms = {a.name for a in every_arm() if a.needs_fuselane}
     for res in arms.values():
         if res.get("memory"):
             res["memory"]["summary"] = memory.summary(res["memory"])

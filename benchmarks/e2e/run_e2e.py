@@ -102,6 +102,7 @@ from arms import (  # noqa: E402
     Arm,
     arm_env,
     engine_kwargs,
+    every_arm,
     make_arms,
     reference_of,
     server_command,
@@ -134,6 +135,7 @@ __all__ = [
     "correctness_prompts",
     "correctness_verdict",
     "engine_kwargs",
+    "every_arm",
     "exit_on_termination",
     "main",
     "make_arms",
@@ -349,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.TENSOR_PARALLEL, settings.TELEMETRY = args.tensor_parallel_size, args.telemetry
     rule = apply_run_shape(args)
     if args.worker == "offline":
-        arm = next(a for a in make_arms() + v1_runner_arms() if a.name == args.worker_arm)
+        arm = next(a for a in every_arm() if a.name == args.worker_arm)
         return worker_offline(
             arm,
             args.model,

@@ -87,8 +87,9 @@ def test_arms(e2e):
     assert all(a.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" for a in v1)
     assert v1[1].env["FUSELANE_KERNELS"] == "all" and v1[0].attention_backend == "FLASH_ATTN"
     assert e2e.reference_of("fuselane_all_v1") == "FLASH_ATTN_v1"
-    every = e2e.make_arms(with_all=True) + e2e.v1_runner_arms()
-    assert sorted(a.name for a in every) == sorted(e2e.ONLINE_PRIORITY)  # every arm has a turn
+    every = [a.name for a in e2e.every_arm()]
+    assert sorted(every) == sorted(e2e.ONLINE_PRIORITY)  # every arm has a turn
+    assert len(set(every)) == len(every)
 
 
 def test_merge_reports_of_one_lease(e2e, tmp_path):
@@ -411,3 +412,14 @@ def test_work_dir_separates_runs_on_one_host(e2e, monkeypatch, tmp_path):
     e2e.run_arm_offline(arm, args, tmp_path, timeout=1.0)
     assert seen["result"].parent == cell
     assert seen["cmd"][seen["cmd"].index("--work-dir") + 1] == str(cell)
+
+
+def test_triage_arm_runs_fuselane_without_its_hopper_kernels(e2e):
+    """`--arms ... fuselane_triton`: fuselane with the operator switch set (named only, not a
+    default arm), compared with FLASH_ATTN like the fuselane arm."""
+    assert "fuselane_triton" not in [a.name for a in e2e.make_arms(with_all=True)]
+    (arm,) = e2e.make_arms(["fuselane_triton"])
+    env = e2e.arm_env(arm)
+    assert env["FUSELANE_HOPPER_KERNELS"] == "0" and env["FUSELANE_KERNELS"] == "attention,kv_cache"
+    assert arm.needs_fuselane and "attention_backend" not in e2e.engine_kwargs(arm, "/m")
+    assert e2e.reference_of(arm.name) == "FLASH_ATTN"
