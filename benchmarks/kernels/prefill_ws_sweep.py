@@ -1,13 +1,13 @@
 """Prefill kernel sweep (GPU): fuselane's two prefill kernels on every head size and option.
 
 The prefill rule (`kernels/attention/plan.py`) gives Hopper's warp-specialized kernel
-(`prefill_ws`) the prefill launches at the head sizes of WS_RULE_HEAD_SIZES. This script times
-it against the Triton kernel's plan on one sequence of S tokens (the grid's prefill case; or a
-chunk of S tokens after a cached prefix) for a model of the `fuselane bench kernels` grid, with
-its options or others (a sliding window, a soft cap, sinks), and at head size 256 also at each
-register split of D256_REGISTERS. Every point's output is checked against the reference (a
-whole prefill at its first and last rows, a chunk whole) before it is timed (CUDA-graph replay
-medians).
+(`prefill_ws`) the prefill launches at the head sizes `prefill_ws_rule_applies` names. This
+script times it against the Triton kernel's plan on one sequence of S tokens (the grid's
+prefill case; or a chunk of S tokens after a cached prefix) for a model of the sweeps
+(`grid.SWEEP_MODELS`: the grid's and head size 64), with its options or others (a sliding
+window, a soft cap, sinks), and at head size 256 also at each register split of
+D256_REGISTERS. Every point's output is checked against the reference (a whole prefill at its
+first and last rows, a chunk whole) before it is timed (CUDA-graph replay medians).
 
     python -m fuselane.benchmarks.kernels.prefill_ws_sweep --out DIR --model NAME
         [--window W] [--softcap C] [--sinks] [--seq 1024,4096] [--prefix N] [--kv fp8]

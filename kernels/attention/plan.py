@@ -237,7 +237,7 @@ PREFILL_WS_TILE = (256, 64, 4, 4)  # (block_m, block_n, warps per compute warpgr
 # registers, prefill_ws.WS_REGISTERS) and 2 slots: the 64 KiB Q tile and two 64 KiB K/V slots
 # fill 192 KiB.
 PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
-# Head sizes the rule gives either Hopper kernel (64 passes the GPU tests, not timed). At 256 the
+# Head sizes the rule gives either Hopper kernel, every cache dtype. At 256 the
 # prefill kernel (soft cap, as Gemma 2) ran 1.17-2.31x faster than the Triton kernel's 64-row
 # tile at S = 1k-32k, 2.02x with a 4096 window at S = 32k (H200,
 # prefill-ws-sweep-nvidia-h200-2026-11-27-gemma-2-9b-*.json); at 128 windows and sinks cost it
@@ -245,6 +245,15 @@ PREFILL_WS_TILE_D256 = (128, 64, 4, 2)
 # Llama-3-8B with sinks 10% faster at 4k and 16k: ...-mistral-7b-*.json,
 # ...-llama-3-8b-sinks.json).
 WS_RULE_HEAD_SIZES = (128, 256)
+# Head sizes the rule gives Hopper's prefill kernel with 16-bit caches only. 64 (Llama-3.2-1B's
+# 32/8/64 on an H200): the 128-row tile 1.23 / 1.29x the Triton kernel at S = 512 / 1024, the
+# 256-row tile 1.03-1.15x at S = 4k-32k and 0.98x at 2048 (58.5 against 57.7 µs)
+# (prefill-ws-sweep-nvidia-h200-2026-11-27-llama-3.2-1b-plain-small-tile.json). An fp8 cache
+# at 64 keeps the Triton kernel, faster from S = 4096 (233 against 254 µs;
+# ...-llama-3.2-1b-plain-kvfp8-small-tile.json).
+# Hopper's decode kernel at 64 trails the Triton kernel (B = 1 / 4: 26.8 / 61.7 against
+# 24.5 / 55.7 µs, decode-split-sweep-nvidia-h200-2026-11-27-llama-3.2-1b.json).
+WS_PREFILL_RULE_HEAD_SIZES_16BIT = (64,)
 # Launches of fewer programs of its tile (every sequence as long as the longest query) than this
 # fraction of the SMs keep the Triton kernel (its small tile), 3-17% faster there on an H200
 # (Gemma-2-9B at 32-64 programs, S <= 512). From 112-128 programs on the Hopper kernel is faster:
@@ -264,6 +273,13 @@ PREFILL_WS_MIN_FILL_FP8 = 1.5
 # halve), which shapes alone cannot tell apart. Tables and files: docs/tuning/attention.md,
 # "Hopper prefill: the 128-row tile for short prompts, fp8 caches".
 PREFILL_WS_SMALL_ROWS = 128
+
+
+def prefill_ws_rule_applies(head_size: int, kv_bytes: int) -> bool:
+    """Whether the prefill rule weighs Hopper's prefill kernel for this head size and cache."""
+    return head_size in WS_RULE_HEAD_SIZES or (
+        kv_bytes == 2 and head_size in WS_PREFILL_RULE_HEAD_SIZES_16BIT
+    )
 
 
 def prefill_ws_tile(head_size: int) -> tuple[int, int, int, int]:
@@ -298,8 +314,9 @@ def prefill_ws_config(
 ) -> PrefillConfig | None:  # fmt: skip
     """Hopper's prefill kernel's config for these heads (its tile for the head size, sequences
     of more than `min_q` query tokens), or None where it does not suit them: a query group
-    larger than the tile, or a tile beyond `max_smem`. The rule takes it for WS_RULE_HEAD_SIZES
-    as `_prefill_ws_choice` says; the benchmarks time it everywhere it suits."""
+    larger than the tile, or a tile beyond `max_smem`. The rule takes it where
+    `prefill_ws_rule_applies`, as `_prefill_ws_choice` says; the benchmarks time it everywhere
+    it suits."""
     block_m, block_n, num_warps, slots = prefill_ws_tile(head_size)
     group = num_q_heads // num_kv_heads
     smem = prefill_ws_smem_bytes(block_m, block_n, head_size, slots, kv_bytes)
@@ -567,7 +584,7 @@ def _plan_launch(
             num_stages=num_stages,
             head_fast=PREFILL_HEAD_FAST,
         )
-        if warp_specialized and head_size in WS_RULE_HEAD_SIZES:
+        if warp_specialized and prefill_ws_rule_applies(head_size, kv_bytes):
             ws = prefill_ws_config(num_q_heads, num_kv_heads, head_size, qpos_cap, max_smem,
                                    kv_bytes)  # fmt: skip
             if ws is not None:

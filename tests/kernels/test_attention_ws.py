@@ -204,6 +204,7 @@ WS_PREFILL_SMALL_TILE_CASES = [
     ((32, 8, 128, 32, _FP16, [300, 90], [1300, 2000], dict(sliding_window=40, sinks=True)), None),
     ((8, 1, 128, 16, _BF16, [2100], [2100], dict(sinks=True)), _FP8),
     ((28, 4, 128, 16, _BF16, [513, 64], [513, 4160], dict()), _FP8),
+    ((32, 8, 64, 16, _BF16, [1024, 5], [1024, 300], dict(sliding_window=256)), None),
 ]
 
 
@@ -310,11 +311,12 @@ def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv, kv_bytes):
     warp-specialized kernel: at 128 its 128-row tile while the 256-row one fills at most one
     wave of the SMs, beyond that the 256-row tile from PREFILL_WS_MIN_FILL (fp8:
     PREFILL_WS_MIN_FILL_FP8) x SMs programs on; at 256 its one tile from that threshold on;
-    below it the Triton kernel; head size 64 (not timed) keeps the Triton kernel; decode-only
-    batches have no prefill launch."""
+    below it the Triton kernel; head size 64 as 128 with a 16-bit cache, the Triton kernel with
+    an fp8 one; decode-only batches have no prefill launch."""
     sms = 132
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, sms=sms, workspace=None, kv_bytes=kv_bytes)
-    for d in attn.WS_RULE_HEAD_SIZES:
+    sixteen_bit = attn.WS_PREFILL_RULE_HEAD_SIZES_16BIT if kv_bytes == 2 else ()
+    for d in attn.WS_RULE_HEAD_SIZES + sixteen_bit:
         kw["head_size"] = d
         tile = attn.prefill_ws_tile(d)
         for num_seqs, max_q in ((2, 8192), (1, 512), (1, 1024), (1, 2048), (6, 9), (64, 300)):
@@ -341,7 +343,7 @@ def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv, kv_bytes):
         assert any(p.prefill is not None and p.prefill.warp_specialized for p in plans)
     d64 = attn.plan_launch(num_seqs=2, max_query_len=8192, warp_specialized=True,
                            **dict(kw, head_size=64))  # fmt: skip
-    assert d64.prefill is not None and not d64.prefill.warp_specialized
+    assert d64.prefill is not None and d64.prefill.warp_specialized == (kv_bytes == 2)
 
 
 @pytest.mark.parametrize(
@@ -357,6 +359,9 @@ def test_rule_takes_the_ws_prefill_kernel_at_its_head_sizes(hq, hkv, kv_bytes):
         (32, 8, 128, 1, 4096, ("ws", 256)),  # fp8: 397.3, Triton 526.3
         (16, 8, 256, 1, 1024, ("triton", None)),  # Gemma-2-9B fp8: Triton 68.9, Hopper 72.9
         (16, 8, 256, 1, 2048, ("ws", 128)),  # 144.7, Triton 228.6
+        (32, 8, 64, 2, 1024, ("ws", 128)),  # Llama-3.2-1B: 21.6, Triton 27.9
+        (32, 8, 64, 2, 16384, ("ws", 256)),  # 2831, Triton 3155
+        (32, 8, 64, 1, 4096, ("triton", None)),  # fp8: Triton 233.2, Hopper 253.5
         (16, 8, 256, 2, 512, ("triton", None)),  # bf16, 64 programs
         (16, 8, 256, 2, 1024, ("ws", 128)),  # 52.3, Triton 60.3
     ],
