@@ -282,3 +282,43 @@ def test_without_the_timer_the_log_seconds_are_used(e2e):
     rep = e2e.finish_report({"arms": arms})
     assert rep["memory"]["fuselane"]["capture_source"] == "log (whole seconds)"
     assert rep["memory"]["fuselane"]["capture_s"]["ratio"] == pytest.approx(1.2)
+
+
+def test_start_up_compilation_inside_the_capture_is_left_out_of_its_check(e2e, memory):
+    """fuselane compiles its kernels at the first forward with attention metadata, the
+    capture's first warm-up run: those seconds (compile and load, from fuselane's log lines
+    between the capture's first progress line and its "finished" line) are reported apart and
+    left out of the capture check; a compilation logged after the capture is not counted."""
+    warm = "fuselane: {} kernels compiled for {} launch configurations in {} s (8 threads) and " \
+        "loaded in {} s (start-up, before serving)"  # fmt: skip
+    log = _log([
+        ("gpu/model_runner.py:306", "Model loading took 14.99 GiB and 3.1 seconds"),
+        ("warmup.py:67", warm.format("attention", 3, 0.5, 0.1)),  # an eager run before: not in it
+        ("cuda_graph.py:1", "Capturing CUDA graphs (FULL):   0%|          | 0/51"),
+        ("warmup.py:67", warm.format("attention", 17, 9.8, 2.0)),
+        ("warmup.py:67", warm.format("kv_cache", 3, 0.2, 0.3)),
+        ("gpu/model_runner.py:748", "Graph capturing finished in 13 secs, took 0.53 GiB"),
+        ("warmup.py:67", warm.format("sampling", 30, 38.5, 1.7)),
+        ("core.py:341", "init engine (profile, create kv cache, warmup model) took 60.00 s"),
+    ])  # fmt: skip
+    got = memory.parse_memory_log(log)
+    assert got["fuselane_compile_in_capture_s"] == 12.3 and got["graph_capture_s"] == 13
+    assert "fuselane_compile_in_capture_s" not in memory.parse_memory_log(_log(LOG_026))
+    fuselane = _arm(52000, 13.3)
+    fuselane["memory"]["log"].update(fuselane_compile_in_capture_s=12.3, init_engine_s=60.0)
+    ref = _arm(52000, 1.0)
+    ref["memory"]["log"]["init_engine_s"] = 50.0
+    rep = e2e.finish_report({"arms": {"FLASH_ATTN": ref, "fuselane": fuselane}})
+    check = rep["memory"]["fuselane"]
+    assert check["capture_s"]["arm"] == pytest.approx(1.0) and check["capture_s"]["ok"]
+    assert check["capture_with_compilation_s"] == {"arm": 13.3, "reference": 1.0}
+    assert check["init_engine_s"]["ratio"] == pytest.approx(1.2) and rep["memory_flags"] == []
+    text = e2e.table(rep)
+    assert "12.3 s of it start-up compilation" in text and "engine start 1.20x" in text
+    # Slower beyond the compilation: flagged, saying what was left out.
+    fuselane["memory"]["log"]["fuselane_compile_in_capture_s"] = 10.0
+    rep = e2e.finish_report({"arms": {"FLASH_ATTN": ref, "fuselane": fuselane}})
+    assert rep["memory_flags"] == [
+        "fuselane: CUDA-graph capture 3.30 s (10.0 s of start-up compilation left out) vs "
+        "FLASH_ATTN's 1.00 s (3.30x > 1.2x)"
+    ]
