@@ -24,18 +24,23 @@ staged 0.26) and fuselane importable by run_e2e.py, as the docstring of run_e2e.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RUN_E2E = HERE / "run_e2e.py"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from processes import exit_on_termination  # noqa: E402  (the folder's parts, by bare name)
+
 # run_e2e's whole-run budget (its default): a cell never gets more.
 MAX_CELL_BUDGET_S = 530.0
 # Seconds kept back before the deadline for a cell's own teardown and the summary.
@@ -132,6 +137,63 @@ def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
+@dataclass
+class _Queue:
+    """The cells waiting, the GPUs free, the cells running (process, GPU, start) and every
+    cell's record, for `run`."""
+
+    out: Path
+    deadline_s: float
+    reverse: bool
+    dry_run: bool
+    start: Start
+    clock: Callable[[], float]
+    waiting: list[str]
+    free: list[str]
+    t0: float = 0.0
+    running: dict[str, tuple[subprocess.Popen, str, float]] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def collect(self) -> None:
+        """Record the cells that ended and free their GPUs."""
+        for name, (proc, gpu, began) in list(self.running.items()):
+            if proc.poll() is not None:
+                seconds = round(self.clock() - began, 1)
+                self.records[name].update(rc=proc.returncode, seconds=seconds)
+                self.free.append(gpu)
+                del self.running[name]
+
+    def start_next(self) -> None:
+        """Start waiting cells on the free GPUs while they fit before the deadline."""
+        while self.waiting and self.free:
+            name = self.waiting.pop(0)
+            cell = CELLS[name]
+            left = self.deadline_s - (self.clock() - self.t0) - MARGIN_S
+            if (0.0 if self.dry_run else cell.expected_s) > left:
+                reason = f"expected {cell.expected_s:.0f} s, {left:.0f} s left"
+                self.records[name] = {"status": "not started", "reason": reason}
+                continue
+            gpu = self.free.pop(0)
+            cell_out = self.out / name
+            cell_out.mkdir(parents=True, exist_ok=True)
+            budget = min(MAX_CELL_BUDGET_S, max(left, 1.0))
+            cmd = cell.command(cell_out, work_dir(name), budget, self.reverse)
+            cmd += ["--dry-run"] if self.dry_run else []
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
+            self.running[name] = (self.start(cmd, env, cell_out / "run.log"), gpu, self.clock())
+            self.records[name] = {"status": "started", "gpu": gpu, "command": cmd[1:],
+                                  "budget_s": round(budget)}  # fmt: skip
+
+    def stop(self) -> None:
+        """Interrupted (SIGTERM, Ctrl-C): each running cell's run_e2e stops its engines on
+        SIGTERM."""
+        for proc, _, _ in self.running.values():
+            proc.terminate()
+        for proc, _, _ in self.running.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+
+
 def run(
     names: Sequence[str],
     out: Path,
@@ -146,39 +208,17 @@ def run(
     """Run the cells `names` from a queue on `gpus` until the deadline; one record per cell
     (in `names`' order): its GPU, command, exit status and seconds, or why it did not start.
     `dry_run`: run_e2e's --dry-run for each (no engine, so no cell is too long to start)."""
-    t0 = clock()
-    queue = list(names)
-    free = list(gpus)
-    running: dict[str, tuple[subprocess.Popen, str, float]] = {}
-    records: dict[str, dict[str, Any]] = {}
-    while queue or running:
-        for name, (proc, gpu, began) in list(running.items()):
-            if proc.poll() is not None:
-                records[name].update(rc=proc.returncode, seconds=round(clock() - began, 1))
-                free.append(gpu)
-                del running[name]
-        while queue and free:
-            name = queue.pop(0)
-            cell = CELLS[name]
-            left = deadline_s - (clock() - t0) - MARGIN_S
-            expected = 0.0 if dry_run else cell.expected_s
-            if expected > left:
-                reason = f"expected {cell.expected_s:.0f} s, {left:.0f} s left"
-                records[name] = {"status": "not started", "reason": reason}
-                continue
-            gpu = free.pop(0)
-            cell_out = out / name
-            cell_out.mkdir(parents=True, exist_ok=True)
-            budget = min(MAX_CELL_BUDGET_S, max(left, 1.0))
-            cmd = cell.command(cell_out, work_dir(name), budget, reverse)
-            cmd += ["--dry-run"] if dry_run else []
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
-            running[name] = (start(cmd, env, cell_out / "run.log"), gpu, clock())
-            records[name] = {"status": "started", "gpu": gpu, "command": cmd[1:],
-                             "budget_s": round(budget)}  # fmt: skip
-        if running:
-            time.sleep(poll_s)
-    return [dict(records[n], cell=n) for n in names]
+    q = _Queue(out, deadline_s, reverse, dry_run, start, clock, list(names), list(gpus))
+    q.t0 = clock()
+    try:
+        while q.waiting or q.running:
+            q.collect()
+            q.start_next()
+            if q.running:
+                time.sleep(poll_s)
+    finally:
+        q.stop()
+    return [dict(q.records[n], cell=n) for n in names]
 
 
 def cell_results(record: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -226,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     gpus = gpu_ids(args.gpus)
     args.out.mkdir(parents=True, exist_ok=True)
+    exit_on_termination()
     started = time.time()
     records = run(names, args.out, gpus, args.deadline_s, args.reverse, args.dry_run)
     records = [cell_results(r, args.out) for r in records]

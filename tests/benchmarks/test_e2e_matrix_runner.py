@@ -114,3 +114,32 @@ def test_two_dry_run_cells_side_by_side(matrix, tmp_path, monkeypatch):
         assert report["dry_run"]
     fp8 = json.loads((tmp_path / names[1] / "e2e_results.json").read_text())
     assert fp8["plan"]["kv_cache_dtype"] == "fp8"
+
+
+def test_an_interrupted_run_stops_its_running_cells(matrix, tmp_path, monkeypatch):
+    procs = []
+
+    class Forever(FakeProcess):
+        terminated = False
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            self.terminated = True
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(cmd, env, log):
+        procs.append(Forever(polls=0))
+        return procs[-1]
+
+    def interrupt(_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matrix.time, "sleep", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        matrix.run(["default-llama-3-8b", "default-qwen2.5-7b"], tmp_path, ["0", "1"], 3600,
+                   start=start)  # fmt: skip
+    assert len(procs) == 2 and all(p.terminated for p in procs)
