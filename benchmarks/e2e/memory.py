@@ -1,6 +1,6 @@
 """Memory and start-up figures of an arm's engine, and the check of a fuselane arm's against its
-reference's: the KV-cache capacity must be the same (the kernels allocate nothing, so vLLM's
-profiling must leave the cache as much memory as with its own backend), and the CUDA-graph
+reference's: the KV-cache capacity must be at least the same (the kernels allocate nothing, so
+vLLM's profiling must leave the cache as much memory as with its own backend), and the CUDA-graph
 capture may take at most CAPTURE_RATIO times the reference's.
 
 Three sources, all read after the engine started:
@@ -250,16 +250,19 @@ def _max(values: Any) -> float | None:
 
 
 def compare(arm: dict[str, Any], ref: dict[str, Any], name: str, ref_name: str) -> dict[str, Any]:
-    """A fuselane arm's `summary` against its reference's: KV capacity equal (blocks, else the
-    log's tokens), capture time within CAPTURE_RATIO; `flags` say what is not, with both
-    numbers."""
+    """A fuselane arm's `summary` against its reference's: KV capacity at least the
+    reference's (blocks, else the log's tokens), capture time within CAPTURE_RATIO; `flags` say
+    what is not, with both numbers."""
     flags = []
     kv_key = "num_gpu_blocks" if arm.get("num_gpu_blocks") and ref.get("num_gpu_blocks") else None
     kv_key = kv_key or ("kv_cache_tokens" if arm.get("kv_cache_tokens") else None)
     kv = (arm.get(kv_key), ref.get(kv_key)) if kv_key else (None, None)
     kv_equal = None if None in kv else kv[0] == kv[1]
-    if kv_equal is False:
-        flags.append(f"{name}: KV cache {kv[0]:,.0f} {kv_key} != {ref_name}'s {kv[1]:,.0f}")
+    # Fewer blocks is a cost to users (less concurrency); more is not (vLLM sized the cache
+    # after a smaller CUDA-graph pool, as with `all` on the V1 runner: 0.13 against 0.42 GiB).
+    kv_ok = None if None in kv else kv[0] >= kv[1]
+    if kv_ok is False:
+        flags.append(f"{name}: KV cache {kv[0]:,.0f} {kv_key} < {ref_name}'s {kv[1]:,.0f}")
     # Both from the timer, else both from the log (a timer lost under spawn in one arm only).
     source = arm.get("capture_source")
     key = "capture_s" if source == ref.get("capture_source") else "capture_log_s"
@@ -281,7 +284,7 @@ def compare(arm: dict[str, Any], ref: dict[str, Any], name: str, ref_name: str) 
     init = (arm.get("init_engine_s"), ref.get("init_engine_s"))
     return {
         "reference": ref_name,
-        "kv": {"key": kv_key, "arm": kv[0], "reference": kv[1], "equal": kv_equal},
+        "kv": {"key": kv_key, "arm": kv[0], "reference": kv[1], "equal": kv_equal, "ok": kv_ok},
         "capture_s": {"arm": cap[0], "reference": cap[1], "ratio": ratio, "ok": capture_ok},
         "capture_with_compilation_s": {"arm": raw[0], "reference": raw[1]},
         "fuselane_compile_in_capture_s": compile_s[0],

@@ -367,7 +367,8 @@ def memory_lines(report: dict[str, Any]) -> list[str]:
         init = (c.get("init_engine_s") or {}).get("ratio")
         verdict = "FLAG: " + "; ".join(c["flags"]) if c["flags"] else "OK"
         out.append(
-            f"memory check {name} vs {c['reference']}: KV equal {_fmt(kv['equal'])}, capture "
+            f"memory check {name} vs {c['reference']}: KV equal {_fmt(kv['equal'])} (at least: "
+            f"{_fmt(kv.get('ok'))}), capture "
             f"{_fmt(cap['ratio'], '.2f')}x (<= {memory.CAPTURE_RATIO}x, without start-up "
             f"compilation), engine start {_fmt(init, '.2f')}x: {verdict}"
         )

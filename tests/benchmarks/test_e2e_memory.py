@@ -261,12 +261,24 @@ def test_summary_and_check_flag_kv_and_capture(e2e, memory):
     arms["fuselane"] = _arm(51000, 5.0)
     rep = e2e.finish_report({"arms": arms})
     assert rep["memory_flags"] == [
-        "fuselane: KV cache 51,000 num_gpu_blocks != FLASH_ATTN's 52,000",
+        "fuselane: KV cache 51,000 num_gpu_blocks < FLASH_ATTN's 52,000",
         "fuselane: CUDA-graph capture 5.00 s vs FLASH_ATTN's 4.00 s (1.25x > 1.2x)",
     ]
     text = e2e.table(rep)
     assert "memory FLASH_ATTN: KV 52000 blocks x 16" in text
-    assert "memory check fuselane vs FLASH_ATTN: KV equal False, capture 1.25x" in text
+    check_line = "memory check fuselane vs FLASH_ATTN: KV equal False (at least: False), capture"
+    assert f"{check_line} 1.25x" in text
+    # More blocks than the reference (a smaller graph pool left the cache more): not flagged.
+    arms["fuselane"] = _arm(53000, 4.0)
+    rep = e2e.finish_report({"arms": arms})
+    assert rep["memory"]["fuselane"]["kv"] == {
+        "key": "num_gpu_blocks",
+        "arm": 53000,
+        "reference": 52000,
+        "equal": False,
+        "ok": True,
+    }
+    assert rep["memory_flags"] == []
     assert "FLAG: fuselane: KV cache" in text
 
 
