@@ -3,6 +3,7 @@ subclass whose forward runs the fused kernel (see plugin/sampler_hook.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,10 +130,8 @@ def make_v1_sampler(base: type) -> type:
             super().__init__(*args, **kwargs)
             self._fuselane_ws = None
             self._fuselane_warmed = False
-            self._fuselane_bias_key: tuple | None = None
-            self._fuselane_bias: tuple | None = None
-            self._fuselane_prompt_key: tuple | None = None
-            self._fuselane_prompt_mask: torch.Tensor | None = None
+            # name -> (key, value) of `_kept`
+            self._fuselane_kept: dict[str, tuple[tuple, Any]] = {}
 
         def _workspace(self, logits: torch.Tensor):
             from fuselane.kernels import sampling
@@ -152,26 +151,25 @@ def make_v1_sampler(base: type) -> type:
                 self._fuselane_ws = ws
             return ws
 
+        def _kept(self, name: str, key: tuple, build: Callable[[], Any]) -> Any:
+            """`build()`'s result, kept while `key` stays the same: its first entry compared by
+            identity (a tensor V1 replaces when its contents change; holding it keeps its
+            identity from being reused by another tensor), the rest by value."""
+            last = self._fuselane_kept.get(name)
+            if last is None or last[0][0] is not key[0] or last[0][1:] != key[1:]:
+                last = (key, build())
+                self._fuselane_kept[name] = last
+            return last[1]
+
         def _bias_tensors(self, proc: Any, B: int, dev: torch.device) -> tuple:
             # The builtin processor replaces bias_tensor whenever its dict changes.
-            key = (proc.bias_tensor, B, dev)
-            last = self._fuselane_bias_key
-            if last is None or last[0] is not key[0] or last[1:] != key[1:]:
-                self._fuselane_bias = sampling_state.logit_bias_from_dicts(proc.biases, B, dev)
-                self._fuselane_bias_key = key
-            return self._fuselane_bias
+            build = lambda: sampling_state.logit_bias_from_dicts(proc.biases, B, dev)
+            return self._kept("bias", (proc.bias_tensor, B, dev), build)
 
         def _prompt_mask(self, prompt_token_ids: torch.Tensor, B: int, V: int) -> torch.Tensor:
-            # V1 builds a new prompt-id tensor only when the batch changes; holding the last
-            # one keeps its identity from being reused by another tensor.
-            key = (prompt_token_ids, B, V)
-            last = self._fuselane_prompt_key
-            if last is None or last[0] is not key[0] or last[1:] != key[1:]:
-                self._fuselane_prompt_mask = sampling_state.prompt_bin_mask_from_v1(
-                    prompt_token_ids[:B], V
-                )
-                self._fuselane_prompt_key = key
-            return self._fuselane_prompt_mask
+            # V1 builds a new prompt-id tensor only when the batch changes.
+            build = lambda: sampling_state.prompt_bin_mask_from_v1(prompt_token_ids[:B], V)
+            return self._kept("prompt", (prompt_token_ids, B, V), build)
 
         def forward(
             self,
