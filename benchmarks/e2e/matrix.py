@@ -41,6 +41,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from processes import exit_on_termination  # noqa: E402  (the folder's parts, by bare name)
 
+from fuselane.benchmarks.kernels.multi_gpu import visible_devices  # noqa: E402
+
 # run_e2e's whole-run budget (its default): a cell never gets more.
 MAX_CELL_BUDGET_S = 530.0
 # Seconds kept back before the deadline for a cell's own teardown and the summary.
@@ -118,15 +120,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.out is None and not args.list:
         p.error("--out (or $OUT) is needed")
     return args
-
-
-def gpu_ids(gpus: int, environ: dict[str, str] | None = None) -> list[str]:
-    """The devices the cells run on: the first `gpus` of CUDA_VISIBLE_DEVICES, else 0..gpus-1."""
-    env = os.environ if environ is None else environ
-    listed = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    if listed and len(listed) < gpus:
-        raise SystemExit(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES lists {len(listed)} devices")
-    return listed[:gpus] if listed else [str(i) for i in range(gpus)]
 
 
 Start = Callable[[list[str], dict[str, str], Path], subprocess.Popen]
@@ -264,7 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = c.command(Path("OUT") / name, work_dir(name), MAX_CELL_BUDGET_S, args.reverse)
             print(f"{name:28s} ~{c.expected_s:.0f} s  {' '.join(cmd[1:])}")
         return 0
-    gpus = gpu_ids(args.gpus)
+    try:
+        gpus = visible_devices(args.gpus)
+    except ValueError as e:  # the variable names fewer devices than --gpus
+        raise SystemExit(str(e)) from None
     args.out.mkdir(parents=True, exist_ok=True)
     exit_on_termination()
     started = time.time()

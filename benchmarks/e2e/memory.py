@@ -77,7 +77,10 @@ LOG_FIGURES: dict[str, tuple[str, Callable[[list[float]], float]]] = {
 
 # fuselane's start-up compilation (plugin/warmup.py): "fuselane: attention kernels compiled for
 # 17 launch configurations in 9.8 s (8 threads) and loaded in 2.0 s (start-up, before serving)".
-FUSELANE_STARTUP = rf"fuselane: \w+ kernels compiled for \d+ launch configurations in {_NUM} s .*? and loaded in {_NUM} s"  # noqa: E501
+FUSELANE_STARTUP = (
+    rf"fuselane: \w+ kernels compiled for \d+ launch configurations in {_NUM} s .*? "
+    rf"and loaded in {_NUM} s"
+)
 CAPTURE_START = "Capturing CUDA graphs"
 CAPTURE_END = "Graph capturing finished in"
 
@@ -249,6 +252,12 @@ def _max(values: Any) -> float | None:
     return max(vals) if vals else None
 
 
+def _ratio(pair: tuple[float | None, float | None]) -> float | None:
+    """arm / reference, where both are known and the reference is positive."""
+    arm, ref = pair
+    return arm / ref if arm is not None and ref is not None and ref > 0 else None
+
+
 def compare(arm: dict[str, Any], ref: dict[str, Any], name: str, ref_name: str) -> dict[str, Any]:
     """A fuselane arm's `summary` against its reference's: KV capacity at least the
     reference's (blocks, else the log's tokens), capture time within CAPTURE_RATIO; `flags` say
@@ -273,7 +282,7 @@ def compare(arm: dict[str, Any], ref: dict[str, Any], name: str, ref_name: str) 
     compile_s = tuple(m.get("fuselane_compile_in_capture_s") or 0.0 for m in (arm, ref))
     raw = (arm.get(key), ref.get(key))
     cap = tuple(None if c is None else max(0.0, c - x) for c, x in zip(raw, compile_s, strict=True))
-    ratio = cap[0] / cap[1] if None not in cap and cap[1] > 0 else None
+    ratio = _ratio(cap)
     capture_ok = None if ratio is None else ratio <= CAPTURE_RATIO
     if capture_ok is False:
         within = f" ({compile_s[0]:.1f} s of start-up compilation left out)" if compile_s[0] else ""
@@ -291,7 +300,7 @@ def compare(arm: dict[str, Any], ref: dict[str, Any], name: str, ref_name: str) 
         "init_engine_s": {
             "arm": init[0],
             "reference": init[1],
-            "ratio": init[0] / init[1] if None not in init and init[1] > 0 else None,
+            "ratio": _ratio(init),
         },
         "capture_source": source,
         "flags": flags,

@@ -85,10 +85,15 @@ def test_reverse_runs_a_cells_arms_the_other_way_and_bad_arguments_are_refused(m
     for bad in (["--cells", "nope"], ["--gpus", "0"], ["--deadline-s", "10"]):
         with pytest.raises(SystemExit):
             matrix.parse_args([*bad, "--out", str(tmp_path)])
-    assert matrix.gpu_ids(2, {"CUDA_VISIBLE_DEVICES": "4,6,7"}) == ["4", "6"]
-    assert matrix.gpu_ids(2, {}) == ["0", "1"]
-    with pytest.raises(SystemExit, match="lists 1 devices"):
-        matrix.gpu_ids(2, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert matrix.visible_devices(2, {"CUDA_VISIBLE_DEVICES": "4,6,7"}) == ["4", "6"]
+    assert matrix.visible_devices(2, {}) == ["0", "1"]
+
+
+def test_more_gpus_than_the_visible_devices_stop_the_run(matrix, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(SystemExit, match=r"names 1 device"):
+        matrix.main(["--gpus", "2", "--dry-run", "--out", str(tmp_path)])
+    assert not (tmp_path / "matrix.json").exists()
 
 
 def test_every_cell_is_a_valid_run_e2e_plan(matrix):
