@@ -25,13 +25,15 @@ import json
 import platform
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from correctness import WEIGHT_SEED, WEIGHT_STD  # noqa: E402  (the folder's parts, by bare name)
+# The folder's parts, by bare name (as run_e2e.py imports them).
+from correctness import WEIGHT_SEED, WEIGHT_STD, reinit_weights  # noqa: E402
 from workload_sets import resolve_model  # noqa: E402
 
 # Position bands of the report: [start, end) of the scored positions (position p scores token p).
@@ -60,13 +62,9 @@ def prompt_logprobs(cfg: Any, impl: str, ids: Any) -> Any:
     cfg._attn_implementation = impl
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(WEIGHT_SEED)
+    # The engine worker's re-init, given the model where it expects a vLLM worker.
+    reinit_weights(types.SimpleNamespace(get_model=lambda: model), WEIGHT_SEED, WEIGHT_STD)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0) if "norm" in name else p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
         logits = model(ids).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
 
