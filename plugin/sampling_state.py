@@ -57,6 +57,17 @@ def output_state_from_v1(
     return counts, pack_bin_mask(counts > 0)
 
 
+def penalty_state_from_v1(
+    prompt_token_ids: torch.Tensor,
+    output_token_ids: list[list[int]] | torch.Tensor,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V1's penalty inputs -> (prompt_bin_mask, output_bin_counts, output_bin_mask), rows
+    mapping to slots 1:1 (leave `state_slots` None), on prompt_token_ids' device."""
+    counts, mask = output_state_from_v1(output_token_ids, vocab, prompt_token_ids.device)
+    return prompt_bin_mask_from_v1(prompt_token_ids, vocab), counts, mask
+
+
 def logit_bias_from_dicts(
     biases: dict[int, dict[int, float]], num_rows: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

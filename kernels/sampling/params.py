@@ -23,8 +23,8 @@ class SamplingParamsTensors:
     [S, ceil(V/32)] int32 (optional: presence bits of the output tokens; when given, counts are
     read only where a bit is set, which saves a dense read of the counts), logit_bias_counts [S]
     int32 with logit_bias_token_ids [S, NB] int32 and logit_bias_values [S, NB] fp32 (the first
-    count entries of the slot's lists; any order). plugin/sampling_state.py builds these from
-    vLLM V1's forms.
+    count entries of the slot's lists; any order). `penalty_state_from_v1` and
+    `logit_bias_from_dicts` build these from vLLM V1's forms.
     """
 
     temperature: torch.Tensor | None = None
