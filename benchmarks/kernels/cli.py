@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -405,6 +406,7 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
         budget_s=args.budget or None,
         seed=args.seed,
     )
+    _stop_on_sigterm()
     outcome = suite.run(opts, Progress(enabled=not args.no_progress))
     print()
     print(outcome.markdown)
@@ -478,6 +480,17 @@ def _confirm(report: GateReport, current: dict[str, Any], opts: Options) -> Gate
         Progress(enabled=False),
     )  # fmt: skip
     return gate.confirm(report, gate.load(again.paths["json"]))
+
+
+def _stop_on_sigterm() -> None:
+    """A SIGTERM (`timeout`, a job runner) ends the run with the cases done so far written, as
+    a spent budget does (suite.run writes its outputs on the way out), not with nothing."""
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        raise SystemExit(f"fuselane bench kernels: stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv: list[str] | None = None) -> int:

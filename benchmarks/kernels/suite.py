@@ -144,6 +144,9 @@ def run(opts: Options, events: Events) -> Outcome:
                 events.case(f"{case.section} {case.key}")
                 _run_case(state, case)
             _run_deferred(state)
+    except BaseException as e:  # a stop (SIGTERM from `timeout`) or a crash: what ran is written
+        note(f"run stopped early, cases after this point not run: {e!r}")
+        raise
     finally:
         if state.warm is not None:
             state.warm.close()

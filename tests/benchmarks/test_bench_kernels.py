@@ -210,3 +210,35 @@ def test_markdown_lists_peers_with_ratios():
     assert "| models | case | fuselane µs | TB/s | % of copy | flashinfer |" in md
     assert "| m | B=1 ctx=8 | 1.00 | 4 | 100 | 2.00 (2.00x) † |" in md
     assert outputs.stem(payload) == "kernels-h200-2026-11-22"
+
+
+def test_a_sigterm_ends_the_run_with_the_cases_done_written(tmp_path, monkeypatch):
+    """`timeout` (or a job runner) stopping a run keeps what it measured: the outputs are
+    written with the cases run so far and a note that the run stopped early."""
+    import os
+    import signal
+
+    from fuselane.benchmarks.kernels import cli
+
+    real, seen = suite._run_case, []
+
+    def run_case(state, case, only=None):
+        seen.append(case.key)
+        if len(seen) == 2:  # as `timeout` would, in the middle of the run
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(state, case, only)
+
+    monkeypatch.setattr(suite, "_run_case", run_case)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # --interpret-smoke sets it: undone after
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit, match="stopped by signal"):
+            cli.main(["--interpret-smoke", "--peers", "none", "--out", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    (path,) = tmp_path.glob("kernels-cpu-*.json")
+    payload = json.loads(path.read_text())
+    assert {r["label"] for r in payload["results"]} == {"B=2 ctx=40"}
+    assert seen[0].endswith("B=2 ctx=40")
+    assert any("stopped early" in n for n in payload["notes"])
+    assert len(seen) == 2 < len(grid.build_grid(grid="smoke"))
