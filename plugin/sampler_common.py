@@ -60,14 +60,18 @@ def _logprobs_tensors(
 
 
 # Parameter sets whose kernel variants start-up compiles (kernels.sampling.warm_up): greedy and
-# the usual temperature / top-k / top-p mixes. V1 always passes a temperature (zeros for an
-# all-greedy batch); V2 passes none when every row has temperature 1.
+# the usual temperature / top-k / top-p mixes, and that mix with penalties in each runner's form
+# of the penalty state (vLLM 0.26's JIT monitor named both sampling kernels compiling at the
+# first penalized requests on the V1 runner before it was here; each set adds one compile per
+# launch configuration to start-up). V1 always passes a temperature (zeros for an all-greedy
+# batch); V2 passes none when every row has temperature 1.
 V1_WARM_PARAM_SETS = (
     ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
-    ("temperature", "top_k"),
+    ("temperature", "top_k"), ("temperature", "top_k", "top_p", "penalties", "output_mask"),
 )  # fmt: skip
 V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
+    ("temperature", "top_k", "top_p", "penalties"),
 )  # fmt: skip
 # A batch asking for logprobs runs other kernel variants than one asking none: 0 (the chosen
 # token's) is one, and top-n one per list width (kernels.sampling.TOPN_WIDTHS). Start-up also
@@ -135,9 +139,11 @@ def _warm_up(
     key = ("sampling", runner, str(logits.device), logits.dtype, ws.vocab, ws.max_batch, n, mode)
 
     def compile_all() -> int:
+        # as run_fused passes it: a penalized batch runs in place when nothing reads its logits
         calls = sampling.warm_up(
-            params, ws, logits.dtype, param_sets=param_sets, num_logprobs=n, logprobs_mode=mode
-        )
+            params, ws, logits.dtype, param_sets=param_sets, num_logprobs=n, logprobs_mode=mode,
+            logits_writable=n is None,
+        )  # fmt: skip
         # the smallest logprob count of each list width: 1, then one past each narrower width
         firsts = (1, *(w + 1 for w in sampling.TOPN_WIDTHS[:-1]))
         for extra in (0, *firsts[:WARM_TOPN_WIDTHS]):

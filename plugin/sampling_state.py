@@ -49,11 +49,12 @@ def output_state_from_v1(
             if row:
                 ids[i, : len(row)] = row
         output_token_ids = to_device(torch.from_numpy(ids), device)
-    out = output_token_ids.to(torch.int64).masked_fill(output_token_ids < 0, vocab)
-    B = out.shape[0]
-    counts = torch.zeros(B, vocab + 1, dtype=torch.int32, device=out.device)
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
-    counts = counts[:, :vocab].contiguous()
+    ids = output_token_ids.to(torch.int64)
+    real = (ids >= 0) & (ids < vocab)  # padding and placeholders add 0 (to token 0)
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.int32, device=ids.device)
+    # Into [B, vocab] itself: a padding column sliced off would leave a one-row batch with row
+    # stride vocab + 1 (a [1, vocab] slice is already contiguous), another kernel variant.
+    counts.scatter_add_(1, ids.where(real, 0), real.to(torch.int32))
     return counts, pack_bin_mask(counts > 0)
 
 

@@ -41,6 +41,7 @@ PARAM_SETS = (
     ("temperature", "top_k", "top_p"),
     ("temperature", "top_p"),
     ("temperature", "top_k"),
+    ("temperature", "top_k", "top_p", "penalties", "output_mask"),
 )
 KERNELS = {
     "decode": attention_decode._decode_kernel,
@@ -135,6 +136,7 @@ def main() -> int:
                 torch.float32,
                 param_sets=PARAM_SETS,
                 num_logprobs=None,
+                logits_writable=True,
             )
 
     result["attention_kv_warm_up_s"] = round(timed(attention_warm), 2)

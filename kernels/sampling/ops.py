@@ -376,6 +376,12 @@ def _check_indices(p: SamplingParamsTensors, vocab: int) -> None:
 
 
 _WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+# Warm-up parameter-set entries beyond the per-row fields above: "penalties" sets the three
+# penalties with their prompt and output state (a penalized batch runs other kernel variants,
+# and in place when `logits_writable`), "output_mask" adds the output tokens' presence bits
+# (vLLM V1's form of the state has them, V2's has not).
+WARM_PENALTY_FIELDS = ("penalties", "output_mask")
+_WARM_PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
 
 
 def _warm_params(
@@ -395,6 +401,21 @@ def _warm_params(
     )
 
 
+def _set_warm_penalties(
+    p: SamplingParamsTensors, b: int, vocab: int, device: torch.device, output_mask: bool
+) -> None:
+    """Penalties on every row of `p`, with empty prompt and output state: one slot when rows
+    map to slots through `state_slots` (the warm-up's slots are all 0), else one per row."""
+    for name, value in _WARM_PENALTIES.items():
+        setattr(p, name, torch.full((b,), value, dtype=torch.float32, device=device))
+    slots = 1 if p.state_slots is not None else b
+    words = cdiv(vocab, 32)
+    p.prompt_bin_mask = torch.zeros(slots, words, dtype=torch.int32, device=device)
+    p.output_bin_counts = torch.zeros(slots, vocab, dtype=torch.int32, device=device)
+    if output_mask:
+        p.output_bin_mask = torch.zeros(slots, words, dtype=torch.int32, device=device)
+
+
 def warm_up(
     template: SamplingParamsTensors,
     workspace: SamplingWorkspace,
@@ -403,16 +424,27 @@ def warm_up(
     param_sets: tuple[tuple[str, ...], ...],
     num_logprobs: int | None,
     logprobs_mode: str = "raw_logprobs",
+    logits_writable: bool = False,
 ) -> int:
     """Compile (by launching on zero logits) the kernel variants of every parameter set in
     `param_sets` at every launch configuration of batches up to `workspace.max_batch`, with the
     seed and slot arguments shaped as in `template` (a real call's parameters: the caller's
-    vLLM sampler) and no penalties, bias or min-p. Returns the number of calls.
+    vLLM sampler) and `logits_writable` as the caller's real calls pass it. A set names per-row
+    fields (temperature, top_k, top_p) and optionally WARM_PENALTY_FIELDS; bias and min-p are
+    never set. Returns the number of calls.
 
     For a serving engine's start-up (a variant first met while serving stalls that step for the
     compile): which parameters a batch carries decides which variant runs, and the batch size
     decides its launch configuration."""
     device, vocab = workspace.device, workspace.vocab
+    for fields in param_sets:
+        unknown = set(fields) - set(_WARM_VALUES) - set(WARM_PENALTY_FIELDS)
+        if unknown or ("output_mask" in fields and "penalties" not in fields):
+            raise ValueError(
+                f"param_sets: {fields} names {sorted(unknown) or ['output_mask']} "
+                f"(entries: {sorted(_WARM_VALUES)} and {list(WARM_PENALTY_FIELDS)}, "
+                "output_mask only with penalties)"
+            )
     # Top-p without top-k has its own one-launch batches (`plan.use_one_launch`).
     batches = {
         fields: launch_batches(
@@ -429,11 +461,15 @@ def warm_up(
                 continue
             p = dataclasses.replace(base)
             for name in fields:
+                if name in WARM_PENALTY_FIELDS:
+                    continue
                 dt = torch.int32 if name == "top_k" else torch.float32
                 setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, device=device))
+            if "penalties" in fields:
+                _set_warm_penalties(p, b, vocab, device, "output_mask" in fields)
             fused_sample(
                 logits, p, workspace=workspace, num_logprobs=num_logprobs,
-                logprobs_mode=logprobs_mode,
+                logprobs_mode=logprobs_mode, logits_writable=logits_writable,
             )  # fmt: skip
             calls += 1
     return calls
