@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,6 +139,8 @@ def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: 
     key = (device, tuple(specialization), tuple(options.items()))
     kernel = compiled.variants.get(key)
     if kernel is None:  # a new variant: compiled (if need be) and launched by Triton
+        if _late_variant_hook is not None and not _checking:
+            _late_variant_hook(kernel_name(fn), variant_difference(fn, key, compiled.variants))
         if launched is None:
             launched = fn[grid](*args, **kwargs)
         kernel = compiled.variants[key] = launched
@@ -154,6 +156,44 @@ def launch(fn: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: 
         _run_direct(kernel, _grid3(grid), _raw_stream(device), bound_args.values())
     if recording is not None:
         recording.add_direct(kernel, grid, list(bound_args.values()))
+
+
+# Called with (kernel name, `variant_difference`) for each variant first launched outside a
+# start-up warm-up's check, once one is installed (`report_late_variants`).
+_late_variant_hook: Callable[[str, str], None] | None = None
+
+
+def report_late_variants(hook: Callable[[str, str], None] | None) -> None:
+    """From now on (None: no longer) call `hook(kernel name, what differs)` for every kernel
+    variant first launched outside `checking_direct_launches`. A serving engine installs it
+    after its start-up warm-up: such a variant was compiled (or loaded) while serving, and
+    the difference from the variants warmed says which argument the warm-up did not cover."""
+    global _late_variant_hook
+    _late_variant_hook = hook
+
+
+def variant_difference(fn: Any, key: tuple, known: Iterable[tuple]) -> str:
+    """`key` (device, specialization, launch options) against the known variant of `fn` it
+    differs from in fewest places: each differing argument or option as `name: new (known
+    had old)`, or "no variant known" for a kernel's first."""
+    names = list(getattr(fn, "arg_names", ()))  # Triton's binder: one entry per parameter
+    _, spec, options = key
+    best: list[str] | None = None
+    for _, other_spec, other_options in known:
+        diff = [
+            f"{names[i] if i < len(names) else f'arg {i}'}: {a} (known had {b})"
+            for i, (a, b) in enumerate(zip(spec, other_spec, strict=False))
+            if a != b
+        ]
+        if len(spec) != len(other_spec):
+            diff.append(f"{len(spec)} arguments (known had {len(other_spec)})")
+        old = dict(other_options)
+        diff += [f"{k}: {v} (known had {old.get(k)})" for k, v in options if old.get(k) != v]
+        if best is None or len(diff) < len(best):
+            best = diff
+    if best is None:
+        return "no variant known"
+    return "; ".join(best) or "same specialization on another device"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
             reason,
         )
         telemetry.count_direct_launch_fallback(name)
+    _launch.report_late_variants(_warn_late_variant)
     vc.get_logger().info(
         "fuselane: %s kernels compiled for %d launch configurations in %.1f s (%d threads) and "
         "loaded in %.1f s (start-up, before serving)",
@@ -74,6 +75,17 @@ def once(kind: str, key: Hashable, device: torch.device, compile_all: Callable[[
         time.perf_counter() - compiled,
     )
     return True
+
+
+def _warn_late_variant(kernel: str, difference: str) -> None:
+    # Not an error: the launch goes on (after a compile, or a load from Triton's disk cache),
+    # but a warm-up that covered it would have spared that step the wait; the difference names
+    # the argument the warm-up did not produce.
+    vc.get_logger().warning(
+        "fuselane: kernel %s met a variant its start-up warm-up did not launch (%s)",
+        kernel,
+        difference,
+    )
 
 
 _SAID: set[Hashable] = set()
@@ -90,6 +102,9 @@ def say_once(key: Hashable, msg: str, *args: object) -> None:
 
 def reset() -> None:
     """Forget what was compiled and said (tests)."""
+    from fuselane.kernels import _launch
+
+    _launch.report_late_variants(None)
     with _LOCK:
         _DONE.clear()
         _SAID.clear()

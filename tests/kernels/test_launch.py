@@ -122,6 +122,49 @@ def test_the_known_launcher_passes_the_check():
 
 
 # ----------------------------------------------------------------------------------------------
+# Variants first launched after the start-up warm-up
+# ----------------------------------------------------------------------------------------------
+
+
+def test_variant_difference_names_the_arguments_against_the_closest_known_variant():
+    spec = (("*fp32", "D"), ("*fp32", "D"), ("i32", "D"), ("fp32",), ("constexpr", 16))
+    known = [
+        (0, spec, (("num_warps", 4),)),
+        (0, (("*bf16", ""), *spec[1:]), (("num_warps", 8),)),
+    ]
+    new = (0, (*spec[:2], ("i32", ""), *spec[3:]), (("num_warps", 4),))
+    assert _launch.variant_difference(_scale_kernel, new, known) == (
+        "n: ('i32', '') (known had ('i32', 'D'))"
+    )
+    wider = (0, spec, (("num_warps", 8),))
+    assert _launch.variant_difference(_scale_kernel, wider, known) == ("num_warps: 8 (known had 4)")
+    assert _launch.variant_difference(_scale_kernel, new, []) == "no variant known"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="direct launches exist only on a GPU")
+def test_a_variant_first_launched_after_the_warm_up_is_reported():
+    _launch._BY_FN.pop(id(_scale_kernel), None)
+    seen: list[tuple[str, str]] = []
+    args = _scale_args(48)
+    with _launch.checking_direct_launches():  # the warm-up: nothing reported
+        _launch.launch(_scale_kernel, (3,), *args, BLOCK=16)
+    _launch.report_late_variants(lambda name, diff: seen.append((name, diff)))
+    try:
+        _launch.launch(_scale_kernel, (3,), *args, BLOCK=16)  # warmed: nothing
+        assert seen == []
+        args = _scale_args(50)  # n no longer a multiple of 16: another variant
+        _launch.launch(_scale_kernel, (4,), *args, BLOCK=16)
+        _launch.launch(_scale_kernel, (4,), *args, BLOCK=16)
+    finally:
+        _launch.report_late_variants(None)
+        _launch._BY_FN.pop(id(_scale_kernel), None)
+    # one report, naming the argument (Triton's specialization strings vary by release)
+    assert [name for name, _ in seen] == ["_scale_kernel"]
+    assert seen[0][1].startswith("n: ") and ";" not in seen[0][1]
+    torch.testing.assert_close(args[1], args[0] * 3.0)
+
+
+# ----------------------------------------------------------------------------------------------
 # A CPU tensor where Triton compiles for a GPU
 # ----------------------------------------------------------------------------------------------
 
