@@ -32,6 +32,9 @@ LOG_PATTERNS: dict[str, str] = {
     "fallback": r"fall(ing)? ?back|refused|not supported|not valid",
     "errors": r"Traceback|\bERROR\b|Error:|CUDA out of memory",
     "timing": r"init engine|took [0-9.]+ ?s|startup|Model loading took|Available KV cache",
+    # kernels compiled while serving: vLLM's JIT monitor ("Triton JIT compilation during
+    # inference: <kernel>") and fuselane's own line naming the argument its warm-up missed
+    "late_compile": r"during inference|start-up warm-up did not launch",
 }
 LOG_LINES_PER_TOPIC = 25
 

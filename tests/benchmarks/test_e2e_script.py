@@ -260,7 +260,18 @@ def test_scan_log(e2e):
     assert len(found["fuselane"]) == 2
     assert any("FLASH_ATTN" in x for x in found["backend"])
     assert found["compile"] and found["cuda_graphs"] and found["fallback"]
-    assert "graph_break" not in found
+    assert "graph_break" not in found and "late_compile" not in found
+    late = e2e.scan_log(
+        "WARNING [jit_monitor.py:132] Triton JIT compilation during inference: "
+        "_sample_chunk_kernel."
+        " This causes a latency spike\n"
+        "WARNING fuselane: kernel _kv_cache_update_kernel met a variant its start-up warm-up did "
+        "not launch (key_ptr: ('*bf16', '') (known had ('*bf16', 'D')))\n"
+    )["late_compile"]
+    assert [("_sample_chunk_kernel" in x, "key_ptr" in x) for x in late] == [
+        (True, False),
+        (False, True),
+    ]
 
 
 def test_tokenizer_model_dir(e2e, tmp_path):
