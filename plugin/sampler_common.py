@@ -60,14 +60,14 @@ def _logprobs_tensors(
 
 
 # Parameter sets whose kernel variants start-up compiles (kernels.sampling.warm_up): greedy and
-# the usual temperature / top-k / top-p mixes, and that mix with penalties in each runner's form
-# of the penalty state (vLLM 0.26's JIT monitor named both sampling kernels compiling at the
-# first penalized requests on the V1 runner before it was here; each set adds one compile per
-# launch configuration to start-up). V1 always passes a temperature (zeros for an all-greedy
-# batch); V2 passes none when every row has temperature 1.
+# the usual temperature / top-k / top-p mixes, and that mix with penalties (both runners pass
+# output counts without presence bits). vLLM 0.26's JIT monitor named both sampling kernels
+# compiling at the first penalized requests on the V1 runner before the penalty set was here;
+# each set adds one compile per launch configuration to start-up. V1 always passes a
+# temperature (zeros for an all-greedy batch); V2 passes none when every row has temperature 1.
 V1_WARM_PARAM_SETS = (
     ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
-    ("temperature", "top_k"), ("temperature", "top_k", "top_p", "penalties", "output_mask"),
+    ("temperature", "top_k"), ("temperature", "top_k", "top_p", "penalties"),
 )  # fmt: skip
 V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),

@@ -95,7 +95,8 @@ def _params_v1(sampler: Any, logits: torch.Tensor, md: Any):
     else:
         p.temperature = _f32(md.temperature, B)
         if md.top_k is not None:
-            p.top_k = md.top_k[:B].contiguous()
+            # V1 keeps int64; int32 is the variant start-up compiles (and V2 passes)
+            p.top_k = md.top_k[:B].to(torch.int32).contiguous()
         p.top_p = _f32(md.top_p, B)
         for proc in md.logitsprocs.argmax_invariant:
             if type(proc) is vllm_compat.MinPLogitsProcessor and proc.min_p_count:
@@ -103,8 +104,10 @@ def _params_v1(sampler: Any, logits: torch.Tensor, md: Any):
         p.seeds, p.has_seed = _seeds_v1(md.generators, B, dev)
     if not md.no_penalties:
         p.prompt_bin_mask = sampler._prompt_mask(md.prompt_token_ids, B, V)
-        p.output_bin_counts, p.output_bin_mask = sampling_state.output_state_from_v1(
-            md.output_token_ids[:B], V, dev
+        # Counts only: the kernel reads them densely (the presence bits cost more to build
+        # each step than they save it).
+        p.output_bin_counts, _ = sampling_state.output_state_from_v1(
+            md.output_token_ids[:B], V, dev, with_mask=False
         )
         p.repetition_penalty = _f32(md.repetition_penalties, B)
         p.frequency_penalty = _f32(md.frequency_penalties, B)

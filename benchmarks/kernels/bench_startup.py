@@ -41,7 +41,7 @@ PARAM_SETS = (
     ("temperature", "top_k", "top_p"),
     ("temperature", "top_p"),
     ("temperature", "top_k"),
-    ("temperature", "top_k", "top_p", "penalties", "output_mask"),
+    ("temperature", "top_k", "top_p", "penalties"),
 )
 KERNELS = {
     "decode": attention_decode._decode_kernel,

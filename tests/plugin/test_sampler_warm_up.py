@@ -83,8 +83,7 @@ def _launched(monkeypatch, call, *args, **kwargs) -> set[tuple]:
 
 def _penalized_params(B: int, V: int, runner: str) -> sampling.SamplingParamsTensors:
     """A batch of B rows with temperature / top-k / top-p and penalties, its penalty state in
-    the runner's form: V1's per-row state with the output presence bits, V2's per-slot state
-    read through state_slots without them."""
+    the runner's form: V1's per-row state, V2's per-slot state read through state_slots."""
     from fuselane.plugin import sampling_state
 
     g = torch.Generator().manual_seed(B)
@@ -95,9 +94,10 @@ def _penalized_params(B: int, V: int, runner: str) -> sampling.SamplingParamsTen
     )  # fmt: skip
     prompt = torch.randint(0, V, (B, 7), generator=g)
     outputs = [torch.randint(0, V, (i + 1,), generator=g).tolist() for i in range(B)]
-    if runner == "v1":
-        p.prompt_bin_mask, p.output_bin_counts, p.output_bin_mask = (
-            sampling_state.penalty_state_from_v1(prompt, outputs, V)
+    if runner == "v1":  # as the V1 sampler builds it: output counts without presence bits
+        p.prompt_bin_mask = sampling_state.prompt_bin_mask_from_v1(prompt, V)
+        p.output_bin_counts, _ = sampling_state.output_state_from_v1(
+            outputs, V, "cpu", with_mask=False
         )
     else:
         slots = 2 * B + 1
