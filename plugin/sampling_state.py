@@ -46,10 +46,10 @@ def output_state_from_v1(
     -1 also marks async scheduling's placeholders) -> (output_bin_counts [B, vocab] int32,
     packed output_bin_mask) on `device`. The lists are padded in numpy (a torch tensor per row
     cost ~4x as much at 256 rows of 512 ids) and copied without a stream sync (`to_device`).
-    `with_mask=False` leaves the mask out (None), the sampler's per-step form: on an H100 the
-    whole build took 3.8 / 6.7 ms without it and 4.6 / 8.0 ms with it at 256 / 512 rows of 300
-    ids over 151,936 tokens, while the kernel read the counts densely in 0.29 / 0.53 ms against
-    0.40 / 0.48 through the mask (`v1-penalty-state-h100-2026-11-27.json`)."""
+    `with_mask=False` leaves the mask out (None), the sampler's per-step form: on an H100
+    packing the mask took 1.05 ms of GPU time at 256 rows over 151,936 tokens while the kernel
+    read the counts densely about as fast as through it (0.29-0.30 against 0.28-0.40 ms;
+    `v1-penalty-state-h100-2026-11-27{,-run2}.json`)."""
     if not isinstance(output_token_ids, torch.Tensor):
         width = max(1, max(map(len, output_token_ids), default=0))
         ids = np.full((len(output_token_ids), width), vocab, dtype=np.int64)
@@ -64,6 +64,67 @@ def output_state_from_v1(
     # stride vocab + 1 (a [1, vocab] slice is already contiguous), another kernel variant.
     counts.scatter_add_(1, ids.where(real, 0), real.to(torch.int32))
     return counts, pack_bin_mask(counts > 0) if with_mask else None
+
+
+class OutputCounts:
+    """V1's output-token counts [rows, vocab] int32 kept on the device across sampler steps.
+    Not used by the sampler yet: its one GPU timing was of an earlier form (index_put_, 22 ms a
+    step, `v1-penalty-state-h100-2026-11-27-run2.json`); the sampler takes it once this form is
+    timed below the rebuild's 3.8-4.1 ms.
+
+    V1 passes each row's output ids as the request's own list, appended to in place (one id a
+    step, or placeholders -1 that async scheduling fills in later), and moves a list to another
+    row only when the batch changes. Building the counts from all the lists every step costs
+    host time linear in every id ever generated (3.8 ms at 256 rows of 300 ids,
+    `v1-penalty-state-h100-2026-11-27.json`); here a step adds only each row's ids finalized
+    since the last one (the prefix before its trailing placeholders) and rebuilds a row whose
+    list changed: another list object, fewer finalized ids, or another last counted id (vLLM
+    drops output ids after a KV-load failure)."""
+
+    def __init__(self) -> None:
+        self._counts: torch.Tensor | None = None
+        # per row: (its list, ids counted, the last one counted); the list is held so that its
+        # identity is not reused by another while it is compared
+        self._rows: list[tuple[list[int] | None, int, int]] = []
+
+    def update(self, lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+        """The counts of `lists` (one per row, V1's form) as a [len(lists), vocab] view."""
+        B = len(lists)
+        c = self._counts
+        if c is None or c.shape[0] < B or c.shape[1] != vocab or c.device != torch.device(device):
+            rows = max(B, 0 if c is None or c.shape[1] != vocab else c.shape[0])
+            c = self._counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+            self._rows = []
+        self._rows += [(None, 0, 0)] * (c.shape[0] - len(self._rows))
+        rebuild: list[int] = []
+        at: list[int] = []
+        ids: list[int] = []
+        for i, row in enumerate(lists):
+            row = row if row is not None else []
+            n = len(row)
+            while n and row[n - 1] < 0:  # async scheduling's placeholders, filled in later
+                n -= 1
+            held, counted, last = self._rows[i]
+            if held is row and counted <= n and (not counted or row[counted - 1] == last):
+                start = counted
+            else:
+                rebuild.append(i)
+                start = 0
+            if n > start:
+                at += [i] * (n - start)
+                ids += row[start:n]
+            self._rows[i] = (row, n, row[n - 1] if n else 0)
+        if rebuild:
+            c.index_fill_(0, to_device(torch.tensor(rebuild, dtype=torch.int64), device), 0)
+        if ids:
+            where = to_device(torch.tensor([at, ids], dtype=torch.int64), device)
+            token = where[1]
+            real = (token >= 0) & (token < vocab)  # anything else adds 0 (to token 0)
+            # index_add_ on the flat view: one atomic add per id. index_put_(accumulate=True)
+            # took 22 ms a step at 256 x 151,936 on an H100 (its sorting path).
+            flat = where[0] * vocab + token.where(real, 0)
+            c.view(-1).index_add_(0, flat, real.to(torch.int32))
+        return c[:B]
 
 
 def penalty_state_from_v1(

@@ -5,8 +5,9 @@ output counts [B, V] (and optionally their packed presence bits) and a packed pr
 times, at Qwen2.5's vocabulary (151,936) and B rows of L output ids, each piece of that build
 against the kernel itself:
 
-- `output_state_from_v1`, with the presence bits and without (the sampler's form): numpy
-  padding of the lists, the pinned copy, the counts' scatter and, with bits, `pack_bin_mask`;
+- `OutputCounts.update` at the next step (one more id on every row: what the sampler does each
+  step), against `output_state_from_v1`, with the presence bits and without: numpy padding of
+  all the lists, the pinned copy, the counts' scatter and, with bits, `pack_bin_mask`;
 - `pack_bin_mask` alone, the prompt mask (built again whenever V1 rebuilds its prompt tensor),
   the counts' scatter alone (the GPU part);
 - `fused_sample` with T 0.8 / top-k 50 / top-p 0.95 and repetition penalty 1.1, in place
@@ -80,7 +81,16 @@ def run_case(B: int, L: int, V: int, device: torch.device, reps: int) -> dict[st
             logits.clone(), p, workspace=ws, num_logprobs=None, logits_writable=True
         )
 
-    return {
+    kept = ss.OutputCounts()
+    kept.update(outputs, V, device)
+    steps = iter(torch.randint(0, V, (reps + 1, B), generator=g).tolist())
+
+    def next_step() -> torch.Tensor:  # V1's next step: one more id on every row
+        for row, token in zip(outputs, next(steps), strict=True):
+            row.append(token)
+        return kept.update(outputs, V, device)
+
+    times = {
         "output_state_with_bits_ms": _ms(
             lambda: ss.output_state_from_v1(outputs, V, device), reps, device
         ),
@@ -94,6 +104,9 @@ def run_case(B: int, L: int, V: int, device: torch.device, reps: int) -> dict[st
         "fused_sample_with_bits_ms": _ms(sample(params), reps, device),
         "fused_sample_dense_counts_ms": _ms(sample(dense), reps, device),
     }  # fmt: skip
+    # last: it lengthens the lists the others read
+    times["counts_kept_next_step_ms"] = _ms(next_step, reps, device)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:

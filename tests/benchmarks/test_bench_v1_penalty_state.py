@@ -16,7 +16,8 @@ def test_cpu_run_writes_every_piece_per_case(tmp_path, monkeypatch):
     assert result["vocab"] == 300 and set(result["cases"]) == {"2x5", "3x1"}
     for times in result["cases"].values():
         assert set(times) == {
-            "output_state_with_bits_ms", "output_state_counts_only_ms", "pack_bin_mask_ms",
+            "counts_kept_next_step_ms", "output_state_with_bits_ms",
+            "output_state_counts_only_ms", "pack_bin_mask_ms",
             "prompt_mask_ms", "counts_scatter_only_ms", "logits_clone_ms",
             "fused_sample_with_bits_ms", "fused_sample_dense_counts_ms",
         }  # fmt: skip
