@@ -64,10 +64,13 @@ def _logprobs_tensors(
 # output counts without presence bits). vLLM 0.26's JIT monitor named both sampling kernels
 # compiling at the first penalized requests on the V1 runner before the penalty set was here;
 # each set adds one compile per launch configuration to start-up. V1 always passes a
-# temperature (zeros for an all-greedy batch); V2 passes none when every row has temperature 1.
+# temperature (zeros for an all-greedy batch) and seeds only with seeded requests (the mix with
+# them is warmed: fuselane's late-variant report named it on an H100, 2026-11-27); V2 passes
+# seeds for every row and no temperature when every row has temperature 1.
 V1_WARM_PARAM_SETS = (
     ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),
     ("temperature", "top_k"), ("temperature", "top_k", "top_p", "penalties"),
+    ("temperature", "top_k", "top_p", "seeded"),
 )  # fmt: skip
 V2_WARM_PARAM_SETS = (
     (), ("temperature",), ("temperature", "top_k", "top_p"), ("temperature", "top_p"),

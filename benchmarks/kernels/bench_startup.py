@@ -42,6 +42,7 @@ PARAM_SETS = (
     ("temperature", "top_p"),
     ("temperature", "top_k"),
     ("temperature", "top_k", "top_p", "penalties"),
+    ("temperature", "top_k", "top_p", "seeded"),
 )
 KERNELS = {
     "decode": attention_decode._decode_kernel,

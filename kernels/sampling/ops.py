@@ -378,9 +378,10 @@ def _check_indices(p: SamplingParamsTensors, vocab: int) -> None:
 _WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
 # Warm-up parameter-set entries beyond the per-row fields above: "penalties" sets the three
 # penalties with their prompt and output state (a penalized batch runs other kernel variants,
-# and in place when `logits_writable`), "output_mask" adds the output tokens' presence bits
-# (vLLM V1's form of the state has them, V2's has not).
-WARM_PENALTY_FIELDS = ("penalties", "output_mask")
+# and in place when `logits_writable`), "output_mask" adds the output tokens' presence bits,
+# "seeded" gives every row its own seed (seeds and has_seed: vLLM V1's form of seeded requests;
+# a batch's seed form is a constexpr of both kernels).
+WARM_EXTRA_FIELDS = ("penalties", "output_mask", "seeded")
 _WARM_PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
 
 
@@ -430,7 +431,7 @@ def warm_up(
     `param_sets` at every launch configuration of batches up to `workspace.max_batch`, with the
     seed and slot arguments shaped as in `template` (a real call's parameters: the caller's
     vLLM sampler) and `logits_writable` as the caller's real calls pass it. A set names per-row
-    fields (temperature, top_k, top_p) and optionally WARM_PENALTY_FIELDS; bias and min-p are
+    fields (temperature, top_k, top_p) and optionally WARM_EXTRA_FIELDS; bias and min-p are
     never set. Returns the number of calls.
 
     For a serving engine's start-up (a variant first met while serving stalls that step for the
@@ -438,11 +439,11 @@ def warm_up(
     decides its launch configuration."""
     device, vocab = workspace.device, workspace.vocab
     for fields in param_sets:
-        unknown = set(fields) - set(_WARM_VALUES) - set(WARM_PENALTY_FIELDS)
+        unknown = set(fields) - set(_WARM_VALUES) - set(WARM_EXTRA_FIELDS)
         if unknown or ("output_mask" in fields and "penalties" not in fields):
             raise ValueError(
                 f"param_sets: {fields} names {sorted(unknown) or ['output_mask']} "
-                f"(entries: {sorted(_WARM_VALUES)} and {list(WARM_PENALTY_FIELDS)}, "
+                f"(entries: {sorted(_WARM_VALUES)} and {list(WARM_EXTRA_FIELDS)}, "
                 "output_mask only with penalties)"
             )
     # Top-p without top-k has its own one-launch batches (`plan.use_one_launch`).
@@ -461,12 +462,15 @@ def warm_up(
                 continue
             p = dataclasses.replace(base)
             for name in fields:
-                if name in WARM_PENALTY_FIELDS:
+                if name in WARM_EXTRA_FIELDS:
                     continue
                 dt = torch.int32 if name == "top_k" else torch.float32
                 setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, device=device))
             if "penalties" in fields:
                 _set_warm_penalties(p, b, vocab, device, "output_mask" in fields)
+            if "seeded" in fields:
+                p.seeds = torch.zeros(b, dtype=torch.int64, device=device)
+                p.has_seed = torch.ones(b, dtype=torch.bool, device=device)
             fused_sample(
                 logits, p, workspace=workspace, num_logprobs=num_logprobs,
                 logprobs_mode=logprobs_mode, logits_writable=logits_writable,

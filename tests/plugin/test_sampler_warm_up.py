@@ -107,20 +107,38 @@ def _penalized_params(B: int, V: int, runner: str) -> sampling.SamplingParamsTen
     return p
 
 
+def _seeded_params(B: int, V: int, runner: str) -> sampling.SamplingParamsTensors:
+    """A batch of B seeded rows with temperature / top-k / top-p, seeds in V1's form."""
+    from fuselane.plugin import sampler_v1
+
+    gens = {r: torch.Generator().manual_seed(r) for r in range(B)}
+    seeds, has_seed = sampler_v1._seeds_v1(gens, B, torch.device("cpu"))
+    return sampling.SamplingParamsTensors(
+        temperature=torch.full((B,), 0.8), top_k=torch.full((B,), 50, dtype=torch.int32),
+        top_p=torch.full((B,), 0.95), seeds=seeds, has_seed=has_seed,
+    )  # fmt: skip
+
+
+_V2_TEMPLATE = sampling.SamplingParamsTensors(state_slots=torch.zeros(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize(
-    "runner,sets,template",
+    "runner,sets,template,batch,entry",
     [
-        ("v1", sampler_hook.V1_WARM_PARAM_SETS, sampling.SamplingParamsTensors()),
-        (
-            "v2", sampler_hook.V2_WARM_PARAM_SETS,
-            sampling.SamplingParamsTensors(state_slots=torch.zeros(1, dtype=torch.int32)),
-        ),
+        ("v1", sampler_hook.V1_WARM_PARAM_SETS, sampling.SamplingParamsTensors(),
+         _penalized_params, "penalties"),
+        ("v2", sampler_hook.V2_WARM_PARAM_SETS, _V2_TEMPLATE, _penalized_params, "penalties"),
+        ("v1", sampler_hook.V1_WARM_PARAM_SETS, sampling.SamplingParamsTensors(),
+         _seeded_params, "seeded"),
     ],
 )  # fmt: skip
-def test_warm_up_covers_penalized_batches(monkeypatch, runner, sets, template):
+def test_warm_up_covers_penalized_and_seeded_batches(
+    monkeypatch, runner, sets, template, batch, entry
+):
     """Every batch size up to the workspace's (each launch configuration) with the usual
-    sampling mix and penalties, logits writable as the samplers pass them, launches only
-    kernel variants the start-up warm-up launched; without the penalty set it would not."""
+    sampling mix and penalties (or V1's seeded rows), logits writable as the samplers pass
+    them, launches only kernel variants the start-up warm-up launched; without the set that
+    names `entry` it would not."""
     max_batch, V = 160, 6000  # several launch configurations, two chunks a row
     ws = sampling.SamplingWorkspace.allocate(max_batch, V, torch.device("cpu"))
 
@@ -133,11 +151,11 @@ def test_warm_up_covers_penalized_batches(monkeypatch, runner, sets, template):
     met: set[tuple] = set()
     for B in (1, 2, 5, 17, 66, 100, 160):
         met |= _launched(
-            monkeypatch, sampling.fused_sample, torch.randn(B, V), _penalized_params(B, V, runner),
+            monkeypatch, sampling.fused_sample, torch.randn(B, V), batch(B, V, runner),
             workspace=ws, num_logprobs=None, logits_writable=True,
         )  # fmt: skip
     assert met <= warm(sets)
-    plain = tuple(s for s in sets if "penalties" not in s)
+    plain = tuple(s for s in sets if entry not in s)
     assert len(plain) == len(sets) - 1
     assert not met <= warm(plain)
 
