@@ -377,11 +377,11 @@ def _check_indices(p: SamplingParamsTensors, vocab: int) -> None:
 
 _WARM_VALUES = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
 # Warm-up parameter-set entries beyond the per-row fields above: "penalties" sets the three
-# penalties with their prompt and output state (a penalized batch runs other kernel variants,
-# and in place when `logits_writable`), "output_mask" adds the output tokens' presence bits,
-# "seeded" gives every row its own seed (seeds and has_seed: vLLM V1's form of seeded requests;
-# a batch's seed form is a constexpr of both kernels).
-WARM_EXTRA_FIELDS = ("penalties", "output_mask", "seeded")
+# penalties with their prompt state and output counts (a penalized batch runs other kernel
+# variants, and in place when `logits_writable`; both samplers pass the counts without presence
+# bits), "seeded" gives every row its own seed (seeds and has_seed: vLLM V1's form of seeded
+# requests; a batch's seed form is a constexpr of both kernels).
+WARM_EXTRA_FIELDS = ("penalties", "seeded")
 _WARM_PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
 
 
@@ -402,19 +402,14 @@ def _warm_params(
     )
 
 
-def _set_warm_penalties(
-    p: SamplingParamsTensors, b: int, vocab: int, device: torch.device, output_mask: bool
-) -> None:
+def _set_warm_penalties(p: SamplingParamsTensors, b: int, vocab: int, device: torch.device) -> None:
     """Penalties on every row of `p`, with empty prompt and output state: one slot when rows
     map to slots through `state_slots` (the warm-up's slots are all 0), else one per row."""
     for name, value in _WARM_PENALTIES.items():
         setattr(p, name, torch.full((b,), value, dtype=torch.float32, device=device))
     slots = 1 if p.state_slots is not None else b
-    words = cdiv(vocab, 32)
-    p.prompt_bin_mask = torch.zeros(slots, words, dtype=torch.int32, device=device)
+    p.prompt_bin_mask = torch.zeros(slots, cdiv(vocab, 32), dtype=torch.int32, device=device)
     p.output_bin_counts = torch.zeros(slots, vocab, dtype=torch.int32, device=device)
-    if output_mask:
-        p.output_bin_mask = torch.zeros(slots, words, dtype=torch.int32, device=device)
 
 
 def warm_up(
@@ -440,11 +435,10 @@ def warm_up(
     device, vocab = workspace.device, workspace.vocab
     for fields in param_sets:
         unknown = set(fields) - set(_WARM_VALUES) - set(WARM_EXTRA_FIELDS)
-        if unknown or ("output_mask" in fields and "penalties" not in fields):
+        if unknown:
             raise ValueError(
-                f"param_sets: {fields} names {sorted(unknown) or ['output_mask']} "
-                f"(entries: {sorted(_WARM_VALUES)} and {list(WARM_EXTRA_FIELDS)}, "
-                "output_mask only with penalties)"
+                f"param_sets: {fields} names {sorted(unknown)} "
+                f"(entries: {sorted(_WARM_VALUES)} and {list(WARM_EXTRA_FIELDS)})"
             )
     # Top-p without top-k has its own one-launch batches (`plan.use_one_launch`).
     batches = {
@@ -467,7 +461,7 @@ def warm_up(
                 dt = torch.int32 if name == "top_k" else torch.float32
                 setattr(p, name, torch.full((b,), _WARM_VALUES[name], dtype=dt, device=device))
             if "penalties" in fields:
-                _set_warm_penalties(p, b, vocab, device, "output_mask" in fields)
+                _set_warm_penalties(p, b, vocab, device)
             if "seeded" in fields:
                 p.seeds = torch.zeros(b, dtype=torch.int64, device=device)
                 p.has_seed = torch.ones(b, dtype=torch.bool, device=device)
