@@ -32,18 +32,12 @@ from fuselane.kernels import kv_cache as kvk
 from fuselane.kernels import sampling as smp
 from fuselane.kernels.attention import decode as attention_decode
 from fuselane.kernels.attention import prefill as attention_prefill
+from fuselane.plugin.sampler_common import V1_WARM_PARAM_SETS
 
 HQ, HKV, D, PAGE, VOCAB, MAX_SEQS = 32, 8, 128, 16, 128256, 256
 WORKERS = 8
-# The sampler hook's V1 parameter sets (plugin/sampler_common.py V1_WARM_PARAM_SETS).
-PARAM_SETS = (
-    ("temperature",),
-    ("temperature", "top_k", "top_p"),
-    ("temperature", "top_p"),
-    ("temperature", "top_k"),
-    ("temperature", "top_k", "top_p", "penalties"),
-    ("temperature", "top_k", "top_p", "seeded"),
-)
+# The sampler hook's V1 parameter sets, as its start-up compiles them.
+PARAM_SETS = V1_WARM_PARAM_SETS
 KERNELS = {
     "decode": attention_decode._decode_kernel,
     "reduce": attention_decode._splitkv_reduce_kernel,
