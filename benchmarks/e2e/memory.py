@@ -7,9 +7,9 @@ Three sources, all read after the engine started:
 - the worker, through `LLM.collective_rpc(engine_memory)`: `num_gpu_blocks` and the block size
   from its cache config, torch's peak allocated / reserved GPU memory in that process (since
   vLLM's memory profiling reset the peaks: weights + KV cache + the largest activations);
-- a timer around the model runner's `capture_model` (`install_capture_timer`): vLLM logs the
-  capture time in whole seconds (`%.0f secs`), too coarse to compare captures of 3-10 s within
-  20%;
+- a timer around the model runner's `capture_model` (`install_capture_timer`, through
+  `runner_hooks`): vLLM logs the capture time in whole seconds (`%.0f secs`), too coarse to
+  compare captures of 3-10 s within 20%;
 - the engine log (`parse_memory_log`): what vLLM prints at start-up, LOG_FIGURES below. The
   formats are those of vLLM 0.26 and 0.33 (the same printf strings in both unless noted), read
   from their sources: vllm/v1/worker/gpu_worker.py, gpu_model_runner.py, gpu/model_runner.py,
@@ -19,22 +19,21 @@ Three sources, all read after the engine started:
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import re
-import sys
 import time
 import types
 from collections.abc import Callable
 from typing import Any
+
+import runner_hooks
 
 GIB = float(1 << 30)
 # A fuselane arm's capture may take at most this times its reference's.
 CAPTURE_RATIO = 1.2
 # Where the capture timer leaves its measurement: an attribute of the model runner.
 CAPTURE_ATTR = "_e2e_capture"
-# vLLM's GPU model runners: V1 and V2 (0.26 runs V2 on GPUs, V1 with VLLM_USE_V2_MODEL_RUNNER=0).
-RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+# The runner modules the capture timer wraps (a name of its own: the tests point it elsewhere).
+RUNNER_MODULES = runner_hooks.RUNNER_MODULES
 
 _NUM = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
 
@@ -113,46 +112,10 @@ def _all(pattern: str, text: str) -> list[tuple[str, ...]]:
 def install_capture_timer() -> dict[str, str]:
     """Time vLLM's `capture_model` (wall seconds, and what it returns: the bytes of the graphs'
     pool) on the runner it runs on; the runner keeps it as CAPTURE_ATTR, `engine_memory` reads
-    it. Called in the offline engine's process before `LLM()`. The runner modules are wrapped
-    when they are imported (an import hook), not imported here: vLLM forks its engine core from
-    this process while CUDA is not initialized (its default start method), the core inherits
-    the hook and imports them itself. Under spawn the hook is lost and the log's whole seconds
-    remain. Returns per module: "wrapped", "on import" or why not."""
-    done, pending = {}, []
-    for name in RUNNER_MODULES:
-        module = sys.modules.get(name)
-        if module is None:
-            pending.append(name)
-            done[name] = "on import"
-        else:
-            done[name] = _wrap_capture(module)
-    if pending:
-        sys.meta_path.insert(0, _OnImport(pending, _wrap_capture))
-    return done
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` right after each of `names` is first imported, in whichever
-    process imports it."""
-
-    def __init__(self, names: list[str], then: Callable[[types.ModuleType], object]) -> None:
-        self.names, self.then = set(names), then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in self.names:
-            return None
-        self.names.discard(fullname)  # the lookup below must not come back here
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then(module: types.ModuleType) -> None:
-            exec_module(module)
-            self.then(module)
-
-        spec.loader.exec_module = exec_then  # type: ignore[method-assign]
-        return spec
+    it. Called in the offline engine's process before `LLM()`; the runner modules are wrapped
+    when they are imported (`runner_hooks`). Under spawn the hook is lost and the log's whole
+    seconds remain. Returns per module: "wrapped", "on import" or why not."""
+    return runner_hooks.wrap_on_import(RUNNER_MODULES, _wrap_capture)
 
 
 def _wrap_capture(module: types.ModuleType) -> str:

@@ -3,8 +3,9 @@
 One `vllm.LLM` per process, so that its GPU memory is freed when the process ends: the weights'
 re-init and the correctness pass, a warm-up, the throughput workloads, and the lone prefills
 (with `--golden` the correctness pass alone); the engine's memory figures after start-up and at
-the end (memory.py). Each step's results go to the result JSON as soon as they exist, so that a
-crash later in the process keeps them.
+the end (memory.py), and each workload's engine steps by kind (step_profile.py). Each phase's
+results go to the result JSON as soon as they exist, so that a crash later in the process keeps
+them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import memory
 import prefill_probe
 import settings
+import step_profile
 from arms import Arm, engine_kwargs, trace_dir
 from correctness import WEIGHT_SEED, WEIGHT_STD, reinit_weights, run_correctness
 from settings import Workload, build_prompts, tokens_prompts
@@ -96,8 +98,10 @@ def _timed_runs(
     result["phases"]["warmup_s"] = time.perf_counter() - t0
     result["offline"] = {}
     for wl in workloads:
+        step_profile.take_all(llm)  # the steps before this workload's are not its own
         try:
             result["offline"][wl.name] = run_workload(llm, wl)
+            result["offline"][wl.name]["steps"] = step_profile.take_all(llm)
         except Exception as e:  # noqa: BLE001 - recorded, next workload
             result["offline"][wl.name] = {"error": f"{type(e).__name__}: {e}"}
         save()
@@ -127,8 +131,9 @@ def worker_offline(
         result_path.write_text(json.dumps(result))
 
     try:
-        # Before the engine exists: its core process inherits the timer (memory.py).
+        # Before the engine exists: its core process inherits the timers (runner_hooks.py).
         result["memory"] = {"capture_timer": memory.install_capture_timer()}
+        result["step_timer"] = step_profile.install()
         from vllm import LLM
 
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from typing import Any
 import golden
 import memory
 import settings
+import step_profile
 from arms import (
     engine_kwargs,
     every_arm,
@@ -225,7 +226,8 @@ def merge_reports(paths: Sequence[str]) -> dict[str, Any]:
 
 def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per arm: output tok/s / its reference's per workload (`reference_of`: FLASH_ATTN on the
-    same model runner); p50 TTFT and ITL / reference's."""
+    same model runner), and the steps' seconds by kind where both were timed
+    (`offline_steps`, step_profile.compare); p50 TTFT and ITL / reference's."""
     out: dict[str, Any] = {}
     for name, res in arms.items():
         if is_reference(name):
@@ -237,6 +239,9 @@ def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             b = (base.get("offline") or {}).get(wl) or {}
             if v.get("output_tok_s") and b.get("output_tok_s"):
                 r["offline_output_tok_s"][wl] = v["output_tok_s"] / b["output_tok_s"]
+            steps = step_profile.compare(b, v)
+            if steps:
+                r.setdefault("offline_steps", {})[wl] = steps
         for rate, v in ((res.get("online") or {}).get("rates") or {}).items():
             b = (((base.get("online") or {}).get("rates")) or {}).get(rate) or {}
             rr = {}
@@ -338,6 +343,7 @@ def table(report: dict[str, Any]) -> str:
             # golden check judges against the file's TRITON_ATTN instead: its lines below).
             line += f" (no TRITON_ATTN arm: fixed bound {v['tolerance']['logprob_atol']})"
         lines.append(line)
+    lines += step_profile.lines(report)
     lines += memory_lines(report)
     lines += golden.lines(report.get("golden"))
     return "\n".join(lines)
