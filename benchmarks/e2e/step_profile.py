@@ -55,8 +55,8 @@ class _Steps:
 
 
 def step_kind(num_scheduled_tokens: dict[str, int]) -> str:
-    """A step's kind from the scheduler's tokens per request (a prompt's last chunk of a single
-    token reads as decode: the scheduler's output does not tell them apart)."""
+    """A step's kind from the scheduler's tokens per request (from the counts alone, a prompt's
+    last chunk of a single token reads as decode)."""
     ones = sum(1 for n in num_scheduled_tokens.values() if n == 1)
     if ones == len(num_scheduled_tokens):
         return "decode"
