@@ -15,8 +15,9 @@ V1, per batch (`SamplingMetadata`): `FuselaneSampler.forward` runs `fused_sample
 everything the batch asks for is supported, else vLLM's own `forward` for the whole batch:
 
 - fused: greedy / random / mixed rows (temperature), top-k, top-p, min-p (vLLM's builtin
-  min-p processor's tensor), repetition / frequency / presence penalties (`penalty_state_from_v1`
-  from prompt_token_ids + output_token_ids), logit bias (the builtin processor's dict, via
+  min-p processor's tensor), repetition / frequency / presence penalties (`sampling_state`: the
+  prompt bit mask from prompt_token_ids, kept while V1 keeps that tensor, and the output counts
+  from output_token_ids, without presence bits), logit bias (the builtin processor's dict, via
   `logit_bias_from_dicts`), logprobs n in [0, 128] in `raw_logprobs` / `raw_logits`.
 - stock (reason counted): spec decode (`predict_bonus_token`, spec_token_ids), allowed token
   ids, bad words, active min_tokens, any non-builtin logits processor, logprob_token_ids,
