@@ -110,6 +110,30 @@ def test_a_step_without_its_sample_tokens_is_dropped(step_profile, monkeypatch, 
     assert list(kinds) == ["decode"] and kinds["decode"]["steps"] == 1
 
 
+def test_both_timers_wrap_the_runner_the_engine_imports(step_profile, monkeypatch, tmp_path):
+    """The offline worker installs the capture timer and the step timer, two import hooks on
+    the same runner modules: the one import must go through both."""
+    import memory
+
+    source = RUNNER_SOURCE + "\n    def capture_model(self):\n        return 1 << 30\n"
+    (tmp_path / "both_runner.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, "both_runner", raising=False)
+    monkeypatch.setattr(memory, "RUNNER_MODULES", ("both_runner",))
+    monkeypatch.setattr(step_profile, "RUNNER_MODULES", ("both_runner",))
+    assert memory.install_capture_timer() == step_profile.install() == {"both_runner": "on import"}
+    import both_runner
+
+    runner = both_runner.GPUModelRunner()
+    runner.capture_model()
+    runner.execute_model(_sched({"a": 1}))
+    runner.sample_tokens(None)
+    assert getattr(runner, memory.CAPTURE_ATTR)["pool_gib"] == 1.0
+    kinds = step_profile.take(types.SimpleNamespace(model_runner=runner))["kinds"]
+    assert kinds["decode"]["steps"] == 1
+
+
 def _offline(kinds: dict) -> dict:
     return {"output_tok_s": 100.0, "steps": {"workers": [{"wrapped": True, "kinds": kinds}]}}
 
